@@ -1,0 +1,99 @@
+"""The match report: per layer, what kimi_dep rewrote or left stock, and why."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+
+@dataclasses.dataclass
+class LayerMatch:
+    """One stock subgraph the passes found (an attention layer or a MoE)."""
+
+    layer: int | None
+    module: str
+    kind: str  # "dsa" | "kda" | "moe" | "mla"
+    rewritten: bool
+    reason: str  # why it stayed stock ("" when rewritten)
+    op: str  # the op now in the graph
+    tactics: dict[str, dict[int, str]] = dataclasses.field(default_factory=dict)  # projection -> batch -> tactic
+    node: str = ""  # the node a failed check names
+
+    @property
+    def status(self) -> str:
+        return "rewritten" if self.rewritten else "stock"
+
+
+@dataclasses.dataclass
+class MatchReport:
+    """Every subgraph found in one compiled graph, in layer order, plus the pass time."""
+
+    graph: str
+    layers: list[LayerMatch]
+    pass_seconds: float = 0.0
+    options: str = ""
+
+    def rewritten(self, kind: str | None = None) -> list[LayerMatch]:
+        return [m for m in self.layers if m.rewritten and (kind is None or m.kind == kind)]
+
+    def stock(self, kind: str | None = None) -> list[LayerMatch]:
+        return [m for m in self.layers if not m.rewritten and (kind is None or m.kind == kind)]
+
+    def near_misses(self) -> list[LayerMatch]:
+        """Subgraphs that looked like DSA/KDA/MoE but failed a check (not policy skips)."""
+        return [m for m in self.stock() if m.kind != "mla" and not m.reason.startswith("policy:")]
+
+    @property
+    def num_rewritten(self) -> int:
+        return len(self.rewritten())
+
+    def summary(self) -> str:
+        kinds = sorted({m.kind for m in self.layers})
+        parts = [f"{k}: {len(self.rewritten(k))}/{len([m for m in self.layers if m.kind == k])}" for k in kinds]
+        if not self.layers:
+            return f"{self.graph}: no DSA, KDA, MoE or MLA subgraph found; nothing rewritten"
+        return f"{self.graph}: rewrote {self.num_rewritten} of {len(self.layers)} ({', '.join(parts)}) in {self.pass_seconds * 1e3:.1f} ms"
+
+    def table(self) -> str:
+        """A fixed-width text table, one row per subgraph."""
+        head = ("layer", "module", "kind", "status", "op", "tactics / reason")
+        rows = []
+        for m in self.layers:
+            if m.rewritten:
+                detail = "; ".join(f"{p}: {_bins(tab)}" for p, tab in m.tactics.items())
+            else:
+                detail = m.reason + (f" [node {m.node}]" if m.node else "")
+            rows.append(("" if m.layer is None else str(m.layer), m.module, m.kind, m.status, m.op, detail))
+        widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
+        widths[-1] = len(head[-1])
+        fmt = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
+        return "\n".join([self.summary(), fmt(head), *(fmt(r) for r in rows)])
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, default=str)
+
+
+def _bins(tab: dict[int, str]) -> str:
+    """{1: a, 2: a, 4: b} -> "1-2:a 4:b" (runs of batches with one tactic)."""
+    runs: list[list] = []
+    for b, t in tab.items():
+        if runs and runs[-1][2] == t:
+            runs[-1][1] = b
+        else:
+            runs.append([b, b, t])
+    return " ".join(f"{lo}:{t}" if lo == hi else f"{lo}-{hi}:{t}" for lo, hi, t in runs)
+
+
+_REPORTS: list[MatchReport] = []
+
+
+def record(report: MatchReport) -> None:
+    _REPORTS.append(report)
+
+
+def last_report() -> MatchReport | None:
+    return _REPORTS[-1] if _REPORTS else None
+
+
+def all_reports() -> list[MatchReport]:
+    return list(_REPORTS)

@@ -1,0 +1,83 @@
+"""The rewritten DSA layer: one packed [q_a | kv_a | gate | wk | wv] projection -> PreparedDsa core -> o_proj."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..stock.reference.dsa import dsa_indexer_ref, sparse_mla_decode_ref
+from .projection import DepProjection
+from .registry import lookup
+
+
+@dataclasses.dataclass
+class PreparedDsa:
+    """Sizes, norms' eps and projections of one DSA layer, prepared once at compile time."""
+
+    heads: int
+    nope: int
+    rope: int
+    q_lora: int
+    kv_lora: int
+    gate_width: int
+    index_heads: int
+    index_dim: int
+    topk: int
+    scale: float
+    q_a_eps: float
+    kv_a_eps: float
+    k_norm_eps: float
+    projection: DepProjection
+    o_proj: DepProjection
+
+    @property
+    def split_sizes(self) -> list[int]:
+        return [self.q_lora, self.kv_lora + self.rope, self.gate_width, self.index_dim, self.index_heads]
+
+    def split_query(self, q_a, kv_a, q_a_norm_w, kv_a_norm_w, q_b_w, wq_b_w):
+        """MLA side (q_a norm, q_b) and indexer side (wq_b) of the query, plus the latent entry."""
+        T = q_a.shape[0]
+        q_a = F.rms_norm(q_a.float(), (self.q_lora,), q_a_norm_w.float(), self.q_a_eps).to(q_a.dtype)
+        q = F.linear(q_a, q_b_w).view(T, self.heads, self.nope + self.rope)
+        c_kv, k_rope = kv_a.split([self.kv_lora, self.rope], -1)
+        c_kv = F.rms_norm(c_kv.float(), (self.kv_lora,), kv_a_norm_w.float(), self.kv_a_eps).to(kv_a.dtype)
+        q_idx = F.linear(q_a, wq_b_w).view(T, self.index_heads, self.index_dim)
+        return q, torch.cat([c_kv, k_rope], -1), q_idx
+
+    def forward(self, x, packed_w, q_a_norm_w, kv_a_norm_w, q_b_w, kv_b_w, wq_b_w, k_norm_w, k_norm_b, o_proj_w,
+                kv_cache, index_cache, index_scale, slot_mapping, block_table, seq_lens, q_len: int) -> Tensor:
+        q_a, kv_a, gate, k_idx, w_idx = self.projection(x, packed_w).split(self.split_sizes, -1)
+        q, latent, q_idx = self.split_query(q_a, kv_a, q_a_norm_w, kv_a_norm_w, q_b_w, wq_b_w)
+        k_idx = F.layer_norm(k_idx.float(), (self.index_dim,), k_norm_w.float(), k_norm_b.float(),
+                             self.k_norm_eps).to(x.dtype)
+        topk = dsa_indexer_ref(q_idx, w_idx, k_idx, index_cache, index_scale, slot_mapping, block_table, seq_lens,
+                               q_len, self.topk)
+        o = sparse_mla_decode_ref(q, latent, kv_b_w, kv_cache, slot_mapping, block_table, topk, q_len,
+                                  self.scale, self.nope)
+        o = (o.float() * torch.sigmoid(gate.float())).to(x.dtype)
+        return self.o_proj(o, o_proj_w)
+
+
+@torch.library.custom_op("kimi_dep::dsa_attention", mutates_args=("kv_cache", "index_cache", "index_scale"))
+def dsa_attention(
+    x: Tensor, packed_w: Tensor, q_a_norm_w: Tensor, kv_a_norm_w: Tensor, q_b_w: Tensor, kv_b_w: Tensor,
+    wq_b_w: Tensor, k_norm_w: Tensor, k_norm_b: Tensor, o_proj_w: Tensor, kv_cache: Tensor, index_cache: Tensor,
+    index_scale: Tensor, slot_mapping: Tensor, block_table: Tensor, seq_lens: Tensor, q_len: int, layer: str,
+) -> Tensor:
+    """A whole DSA attention layer at TP1: x [T, hidden] -> [T, hidden]; mutates the three caches.
+
+    packed_w: [q_lora + kv_lora + rope + H*v + Di + Hi, hidden] (14560 rows at full size);
+    caches and metadata as ``kimi_k3::dsa_indexer`` / ``kimi_k3::sparse_mla_decode``.
+    """
+    return lookup(layer).forward(x, packed_w, q_a_norm_w, kv_a_norm_w, q_b_w, kv_b_w, wq_b_w, k_norm_w, k_norm_b,
+                                 o_proj_w, kv_cache, index_cache, index_scale, slot_mapping, block_table, seq_lens,
+                                 q_len)
+
+
+@dsa_attention.register_fake
+def _(x, packed_w, q_a_norm_w, kv_a_norm_w, q_b_w, kv_b_w, wq_b_w, k_norm_w, k_norm_b, o_proj_w, kv_cache,
+      index_cache, index_scale, slot_mapping, block_table, seq_lens, q_len, layer):
+    return x.new_empty(x.shape[0], o_proj_w.shape[0])

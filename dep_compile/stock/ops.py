@@ -1,0 +1,109 @@
+"""The stock ``kimi_k3`` custom ops: opaque to Dynamo where vLLM's kernels are.
+
+Each op declares exactly what it mutates, has a fake kernel, and runs the readable reference
+in ``dep_compile.stock.reference`` (CPU and CUDA alike until faster stock kernels land).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .reference.attn_res import attn_res_ref
+from .reference.dsa import dsa_indexer_ref, sparse_mla_decode_ref
+from .reference.kda import kda_core_ref
+from .reference.mla import mla_decode_ref
+from .reference.moe import routed_experts_ref
+
+
+@torch.library.custom_op("kimi_k3::kda_core", mutates_args=("conv_state", "recurrent_state"))
+def kda_core(
+    q: Tensor, k: Tensor, v: Tensor, g_raw: Tensor, beta: Tensor, g_out: Tensor,
+    conv_weight: Tensor, A_log: Tensor, dt_bias: Tensor, o_norm_weight: Tensor,
+    conv_state: Tensor, recurrent_state: Tensor, state_indices: Tensor, accepted: Tensor,
+    q_len: int, lower_bound: float, norm_eps: float,
+) -> Tensor:
+    """KDA core: conv -> gate -> delta rule -> gated RMSNorm; [T, H*D] (see kda_core_ref)."""
+    return kda_core_ref(q, k, v, g_raw, beta, g_out, conv_weight, A_log, dt_bias, o_norm_weight,
+                        conv_state, recurrent_state, state_indices, accepted, q_len, lower_bound, norm_eps)
+
+
+@kda_core.register_fake
+def _(q, k, v, g_raw, beta, g_out, conv_weight, A_log, dt_bias, o_norm_weight, conv_state,
+      recurrent_state, state_indices, accepted, q_len, lower_bound, norm_eps):
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("kimi_k3::mla_decode", mutates_args=("kv_cache",))
+def mla_decode(
+    q: Tensor, latent: Tensor, kv_b_weight: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
+    block_table: Tensor, seq_lens: Tensor, q_len: int, scale: float, nope: int,
+) -> Tensor:
+    """Latent cache insert + absorbed MLA decode + W_UV; [T, H*v] (see mla_decode_ref)."""
+    return mla_decode_ref(q, latent, kv_b_weight, kv_cache, slot_mapping, block_table, seq_lens, q_len, scale, nope)
+
+
+@mla_decode.register_fake
+def _(q, latent, kv_b_weight, kv_cache, slot_mapping, block_table, seq_lens, q_len, scale, nope):
+    heads = q.shape[1]
+    v = kv_b_weight.shape[0] // heads - nope
+    return q.new_empty(q.shape[0], heads * v)
+
+
+@torch.library.custom_op("kimi_k3::dsa_indexer", mutates_args=("index_cache", "index_scale"))
+def dsa_indexer(
+    q_idx: Tensor, weights: Tensor, k: Tensor, index_cache: Tensor, index_scale: Tensor,
+    slot_mapping: Tensor, block_table: Tensor, seq_lens: Tensor, q_len: int, topk: int,
+) -> Tensor:
+    """FP8 index-key insert + ReLU-weighted logits + top-k; [T, topk] int32 (see dsa_indexer_ref)."""
+    return dsa_indexer_ref(q_idx, weights, k, index_cache, index_scale, slot_mapping, block_table,
+                           seq_lens, q_len, topk)
+
+
+@dsa_indexer.register_fake
+def _(q_idx, weights, k, index_cache, index_scale, slot_mapping, block_table, seq_lens, q_len, topk):
+    return q_idx.new_empty(q_idx.shape[0], topk, dtype=torch.int32)
+
+
+@torch.library.custom_op("kimi_k3::sparse_mla_decode", mutates_args=("kv_cache",))
+def sparse_mla_decode(
+    q: Tensor, latent: Tensor, kv_b_weight: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
+    block_table: Tensor, topk_indices: Tensor, q_len: int, scale: float, nope: int,
+) -> Tensor:
+    """Latent cache insert + absorbed MLA over the selected tokens; [T, H*v]."""
+    return sparse_mla_decode_ref(q, latent, kv_b_weight, kv_cache, slot_mapping, block_table,
+                                 topk_indices, q_len, scale, nope)
+
+
+@sparse_mla_decode.register_fake
+def _(q, latent, kv_b_weight, kv_cache, slot_mapping, block_table, topk_indices, q_len, scale, nope):
+    heads = q.shape[1]
+    v = kv_b_weight.shape[0] // heads - nope
+    return q.new_empty(q.shape[0], heads * v)
+
+
+@torch.library.custom_op("kimi_k3::routed_experts", mutates_args=())
+def routed_experts(
+    x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
+    expert_start: int, beta: float, beta_lin: float,
+) -> Tensor:
+    """The MoE's experts(latent, topk_weights, topk_ids): [T, Lat] (see routed_experts_ref)."""
+    return routed_experts_ref(x, w13, w2, topk_weights, topk_ids, expert_start, beta, beta_lin)
+
+
+@routed_experts.register_fake
+def _(x, w13, w2, topk_weights, topk_ids, expert_start, beta, beta_lin):
+    return x.new_empty(x.shape[0], w2.shape[1])
+
+
+@torch.library.custom_op("kimi_k3::attn_res", mutates_args=("prefix", "bank"))
+def attn_res(
+    prefix: Tensor, bank: Tensor, delta: Tensor, query: Tensor, eps: float, num_blocks: int, write_slot: int
+) -> Tensor:
+    """AttnRes ahead of a sublayer: prefix += delta, optional bank write, softmax mix; [T, D]."""
+    return attn_res_ref(prefix, bank, delta, query, eps, num_blocks, write_slot)
+
+
+@attn_res.register_fake
+def _(prefix, bank, delta, query, eps, num_blocks, write_slot):
+    return torch.empty_like(prefix)

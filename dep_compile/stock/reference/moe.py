@@ -1,0 +1,46 @@
+"""Reference routed experts (SiTU MLPs in the MoE latent) and the sigmoid top-k router."""
+
+from __future__ import annotations
+
+import torch
+
+from .common import situ
+
+
+def routed_experts_ref(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor, expert_start: int, beta: float, beta_lin: float,
+) -> torch.Tensor:
+    """Weighted sum of each token's selected local experts.
+
+    x: [T, Lat] BF16; w13: [E_local, 2*I, Lat] (gate | up); w2: [E_local, Lat, I];
+    topk_weights: [T, K] FP32; topk_ids: [T, K] global expert ids. Experts
+    ``expert_start .. expert_start + E_local - 1`` are local; other ids contribute nothing
+    (another rank owns them). Per expert: h = x W13^T (BF16), a = SiTU(h) (BF16), y = a W2^T.
+    Returns [T, Lat] BF16, summed in FP32.
+    """
+    E, two_i, _ = w13.shape
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    local = topk_ids.long() - expert_start
+    for e in range(E):
+        tok, slot = torch.nonzero(local == e, as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        h = (x[tok].float() @ w13[e].float().t()).to(x.dtype)
+        a = situ(h[:, : two_i // 2], h[:, two_i // 2 :], beta, beta_lin).to(x.dtype)
+        y = a.float() @ w2[e].float().t()
+        out.index_add_(0, tok, y * topk_weights[tok, slot].float().unsqueeze(1))
+    return out.to(x.dtype)
+
+
+def route_ref(
+    logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, scale: float, renormalize: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sigmoid routing by a full sort, for tests: (weights [T, K] FP32, ids [T, K] int64)."""
+    scores = torch.sigmoid(logits.float())
+    keyed = scores + (bias.float() if bias is not None else 0)
+    ids = torch.argsort(keyed, dim=-1, descending=True, stable=True)[:, :top_k]
+    w = scores.gather(1, ids)
+    if renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    return w * scale, ids

@@ -1,0 +1,86 @@
+"""DepPassManager: runs the DSA, KDA, MoE (and MLA report) passes over one Dynamo graph."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch.fx as fx
+
+from dep_compile.config import DepOptions
+from dep_compile.debug.report import LayerMatch, MatchReport, record
+
+from .base import LayerPass, PassContext
+from .dsa import DsaPass
+from .kda import KdaPass
+from .mla import MlaPass
+from .moe import MoePass
+
+log = logging.getLogger("dep_compile")
+
+# Specific first: each family's anchor op is distinct, so order only fixes the report's grouping.
+PASSES: tuple[type[LayerPass], ...] = (DsaPass, KdaPass, MoePass, MlaPass)
+
+
+@dataclasses.dataclass
+class RewriteResult:
+    """The report of one run and the weight swaps to do once compile_fx has returned."""
+
+    report: MatchReport
+    finalizers: list[Callable[[], None]]
+
+    def finalize(self) -> None:
+        for f in self.finalizers:
+            f()
+        self.finalizers.clear()
+
+
+class DepPassManager:
+    """Applies every pass once (each rewrite removes its anchor, so one sweep is the fixed point)."""
+
+    _graphs = 0
+
+    def __init__(self, options: DepOptions):
+        self.options = options
+        self.passes = [p() for p in PASSES]
+
+    def run(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> RewriteResult:
+        t0 = time.perf_counter()
+        ctx = PassContext(gm, example_inputs, self.options)
+        rows: list[LayerMatch] = []
+        for p in self.passes:
+            for found in p.find(gm.graph):
+                if p.kind != "mla" and p.kind not in self.options.kinds:
+                    rows.append(LayerMatch(found.layer, found.module, p.kind, False,
+                                           f"policy: kind {p.kind!r} not in options kinds {self.options.kinds}", p.stock_op))
+                    continue
+                rows.append(p.apply(ctx, found))
+        gm.graph.lint()
+        gm.recompile()
+        DepPassManager._graphs += 1
+        rows.sort(key=lambda m: (m.layer if m.layer is not None else 1 << 30, m.kind == "moe"))
+        report = MatchReport(f"graph_{DepPassManager._graphs - 1}", rows, time.perf_counter() - t0,
+                             self.options.fingerprint())
+        record(report)
+        log.info("%s", report.summary())
+        if not rows:
+            log.warning("kimi_dep: no DSA, KDA, MoE or MLA subgraph found in %s; the graph is compiled unchanged",
+                        report.graph)
+        for m in report.stock():
+            if m.kind != "mla":
+                log.warning("kimi_dep: %s %s left stock: %s", m.kind, m.module, m.reason)
+        return RewriteResult(report, ctx.finalizers)
+
+    def uuid(self) -> str:
+        """Stable over processes: a hash of every pass file's source and of the options."""
+        h = hashlib.sha256()
+        here = Path(__file__).parent
+        for f in sorted(here.glob("*.py")):
+            h.update(f.name.encode())
+            h.update(f.read_bytes())
+        h.update(self.options.fingerprint().encode())
+        return h.hexdigest()

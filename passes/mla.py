@@ -1,0 +1,22 @@
+"""MLA: found and reported, never rewritten (K3's full-attention layers stay stock at DEP)."""
+
+from __future__ import annotations
+
+import torch
+
+from dep_compile.debug.report import LayerMatch
+
+from .base import Found, LayerPass, PassContext
+
+MLA_DECODE = torch.ops.kimi_k3.mla_decode
+
+
+class MlaPass(LayerPass):
+    """Lists each stock MLA layer in the report; the policy keeps it stock."""
+
+    kind = "mla"
+    anchors = (MLA_DECODE,)
+    stock_op = "kimi_k3.mla_decode"
+
+    def apply(self, ctx: PassContext, found: Found) -> LayerMatch:
+        return LayerMatch(found.layer, found.module, self.kind, False, "policy: MLA layers stay stock", self.stock_op)

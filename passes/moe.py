@@ -1,0 +1,151 @@
+"""MoE: router | latent down-proj -> kimi_k3.routed_experts -> latent RMSNorm -> up-proj (+ shared expert)
+==>  kimi_dep.moe (the EpMoeLayer schedule) over a packed [shared gate_up | latent down] front."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.nn.functional as F
+
+from dep_compile.ops.moe import EpMoeLayer
+from dep_compile.ops.projection import DepProjection
+from dep_compile.ops.registry import register
+
+from .base import Found, LayerPass, PassContext, check_bf16
+from .fx_match import (NoMatch, as_linear, getitem_of, is_call, match_rms_norm, op_args, require, single_user,
+                       strip_casts, uncast, val)
+
+EXPERTS = torch.ops.kimi_k3.routed_experts
+MOE = torch.ops.kimi_dep.moe
+K3_TOP_K = 16
+
+
+def _const(node, *candidates):
+    """The scalar operand of a binary node whose other operand is one of ``candidates``."""
+    a, b = node.args[:2]
+    if a in candidates and isinstance(b, (int, float)):
+        return float(b)
+    if b in candidates and isinstance(a, (int, float)):
+        return float(a)
+    return None
+
+
+def match_router(ids_node, weights_node, top_k_expected: int):
+    """Check the one-group sigmoid top-k router; return (x, gate_w, bias, top_k, scale, region).
+
+    Expected: logits = linear(x.float(), W.float()); scores = sigmoid(logits);
+    ids = topk(scores + bias, k).indices; w = gather(scores, ids); w = w / w.sum(-1) * scale.
+    """
+    gi_node = strip_casts(ids_node)
+    gi = getitem_of(gi_node)
+    require(gi is not None and gi[1] == 1 and is_call(gi[0], torch.topk, "topk"), "topk_ids are not topk(...).indices", ids_node)
+    topk = gi[0]
+    keyed = topk.args[0]
+    k = topk.args[1] if len(topk.args) > 1 else topk.kwargs.get("k")
+    require(is_call(keyed, operator.add, torch.add), "expert selection is not scores + correction bias "
+            "(grouped top-k, n_group > 1, or no bias)", keyed)
+    scores, bias = keyed.args
+    if is_call(scores, torch.softmax, F.softmax, "softmax"):
+        raise NoMatch("router scoring is softmax, not sigmoid", scores)
+    require(is_call(scores, torch.sigmoid, "sigmoid"), "router scores are not sigmoid(logits)", scores)
+    lin = as_linear(scores.args[0])
+    require(lin is not None and lin[2] is None, "router logits are not a linear of the hidden state", scores)
+    x, gate_w = uncast(lin[0]), uncast(lin[1])
+    require(val(scores).dtype == torch.float32, "router logits are not FP32", scores)
+    require(k == top_k_expected, f"top-k is {k}, expected {top_k_expected} (options moe_top_k)", topk)
+    # weights: ((gather(scores, 1, ids) / sum) * scale)
+    mul = strip_casts(weights_node)
+    require(is_call(mul, operator.mul, torch.mul), "topk_weights are not scaled by routed_scaling_factor", weights_node)
+    div = mul.args[0] if isinstance(mul.args[0], torch.fx.Node) else mul.args[1]
+    scale = _const(mul, div)
+    require(scale is not None and is_call(div, operator.truediv, torch.div), "topk_weights are not renormalized", mul)
+    gather, total = div.args
+    require(is_call(gather, "gather", torch.gather) and gather.args[0] is scores, "topk_weights are not the selected scores", div)
+    require(is_call(total, "sum", torch.sum) and total.args[0] is gather, "renormalization is not by the sum", total)
+    region = {topk, gi_node, keyed, scores, scores.args[0], mul, div, gather, total}
+    region |= {n for n in (ids_node, weights_node) if n.op in ("call_function", "call_method")}
+    return x, gate_w, bias, k, scale, region
+
+
+def match_situ(out, beta, beta_lin):
+    """Check that ``out`` is SiTU(gate_up) with the experts' betas; return (gate_up, region)."""
+    region, stack, gate_up = set(), [out], None
+    allowed = {"float", "to", "chunk", torch.tanh, torch.sigmoid, operator.truediv, operator.mul, operator.getitem}
+    consts = set()
+    while stack:
+        n = stack.pop()
+        if n in region:
+            continue
+        if as_linear(n) is not None:
+            gate_up = n if gate_up in (None, n) else None
+            require(gate_up is not None, "SiTU reads two projections", out)
+            continue
+        target = n.target
+        require(n.op in ("call_function", "call_method") and target in allowed, f"unexpected op {target} inside SiTU", n)
+        region.add(n)
+        for a in n.args:
+            if isinstance(a, torch.fx.Node):
+                stack.append(a)
+            elif isinstance(a, float):
+                consts.add(a)
+    require(gate_up is not None, "shared expert has no gate_up projection", out)
+    require({beta, beta_lin} <= consts, f"SiTU constants {sorted(consts)} lack beta={beta}, beta_lin={beta_lin}", out)
+    return gate_up, region
+
+
+class MoePass(LayerPass):
+    """Rewrites each K3 MoE (``dep_moe_supported``) into one ``kimi_dep.moe`` call."""
+
+    kind = "moe"
+    anchors = (EXPERTS,)
+    module_up = 1  # the anchor is traced inside mlp.experts; report the mlp
+    stock_op = "kimi_k3.routed_experts"
+
+    def rewrite(self, ctx: PassContext, found: Found):
+        opts = ctx.options
+        R = found.anchor
+        a = op_args(R, EXPERTS.default)
+        x_down = as_linear(a["x"])
+        require(x_down is not None and x_down[2] is None, "experts' input is not a latent down-projection", a["x"])
+        x, down_w, _ = x_down
+        rx, gate_w, bias, top_k, scale, region = match_router(a["topk_ids"], a["topk_weights"], opts.moe_top_k)
+        require(rx is x, "router and latent down-proj read different inputs", a["x"])
+        # routed -> RMSNorm -> up-proj -> + shared
+        n_user = single_user(R)
+        require(n_user is not None, "experts' output has several users", R)
+        normed = single_user(single_user(n_user)) if is_call(n_user, "float") else None
+        require(normed is not None, "no latent RMSNorm after the experts", R)
+        r_in, norm_w, norm_eps = match_rms_norm(normed)
+        require(r_in is R, "latent RMSNorm does not read the experts' output", normed)
+        up = single_user(normed)
+        up_lin = as_linear(up)
+        require(up_lin is not None and up_lin[0] is normed and up_lin[2] is None, "no up-projection after the latent norm", normed)
+        add = single_user(up)
+        require(add is not None and is_call(add, operator.add, torch.add), "no shared expert: up-projection is not added to one", up)
+        shared_out = add.args[1] if add.args[0] is up else add.args[0]
+        sd = as_linear(shared_out)
+        require(sd is not None and sd[2] is None, "the add's other operand is not a shared expert's down_proj", add)
+        gate_up, situ_region = match_situ(sd[0], float(a["beta"]), float(a["beta_lin"]))
+        gu = as_linear(gate_up)
+        require(gu[0] is x and gu[2] is None, "shared expert reads another input than the router", gate_up)
+        gu_w, sd_w = gu[1], sd[1]
+        check_bf16("MoE activations/weights", x, down_w, gu_w, sd_w, up_lin[1], a["w13"], a["w2"])
+        shared_inter = ctx.param(sd_w, "shared down_proj").shape[1]
+        require(ctx.param(gu_w, "shared gate_up").shape[0] == 2 * shared_inter, "shared gate_up is not 2x down's width", gu_w)
+        latent = ctx.param(down_w, "latent down-proj").shape[0]
+        for w, what in ((gate_w, "router weight"), (up_lin[1], "up-proj"), (bias, "correction bias")):
+            ctx.param(w, what)
+        region |= {a["x"], R, normed, up, add, shared_out, gate_up} | situ_region
+
+        prepared = EpMoeLayer(
+            shared_inter=shared_inter, latent=latent, top_k=top_k, scale=scale, beta=float(a["beta"]),
+            beta_lin=float(a["beta_lin"]), norm_eps=norm_eps, expert_start=int(a["expert_start"]),
+            front_max=opts.front_max, front=DepProjection("moe_front", opts.projection_tables["moe_front"]),
+        )
+        key = register(found.module, prepared)
+        region = ctx.verified_region(x, add, region)
+        front = ctx.pack([gu_w, down_w], "MoE front")
+        ctx.replace(region, add, MOE.default, (x, front, gate_w, bias, a["w13"], a["w2"], norm_w, up_lin[1], sd_w, key),
+                    found.module)
+        return "kimi_dep.moe", {"moe_front": prepared.front.policies([b for b in opts.batches if b <= opts.front_max])}
