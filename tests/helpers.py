@@ -1,0 +1,96 @@
+"""Test helpers: run a stock decoder eagerly and through kimi_dep on the same steps, compare everything."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+import dep_compile
+from dep_compile.stock import KimiCache, RequestBatch, build_model
+
+# BF16 tolerances. Pattern-only mode runs the same references in the same order as stock, so
+# with cuBLAS tactics it is exact; split-K tactics change only the summation order of one
+# projection (FP32 partials), which moves BF16 outputs by a few ulps. Through Inductor the
+# glue (norms, AttnRes, residuals) is fused, again moving BF16 results by a few ulps.
+LOGIT_ATOL = 0.1  # logits are O(1); a wrong slice or lost cache write moves them by O(1)
+STATE_ATOL = 0.05
+
+
+@dataclasses.dataclass
+class PairResult:
+    logits_err: float
+    cache_err: float
+    cache_errs: dict
+    report: object
+    steps: int
+
+
+def run_pair(cfg, *, steps=8, batch=3, q=1, options=None, pooled=False, dynamic=False, model=None,
+             accepted=None, start_len=10, block_size=4, padding=0, batches=None) -> PairResult:
+    """``steps`` steps of ``batch`` requests x ``q`` tokens, eager stock vs kimi_dep, from identical caches.
+
+    ``batches`` (a list of batch sizes, one per step) exercises one compiled graph at several
+    sizes; with ``dynamic`` the batch dim is marked dynamic.
+    """
+    model = model or build_model(cfg, seed=1)
+    max_b = max(batches or [batch])
+    cache = KimiCache.allocate(cfg, num_slots=2 * max_b + 1, num_blocks=8 * max_b + 8, block_size=block_size,
+                               pooled=pooled, seed=2)
+    ref_cache = cache.clone()
+    opts = {"inductor": False, **(options or {})}
+    compiled = torch.compile(model, backend="kimi_dep", options=opts, fullgraph=True, dynamic=False if not dynamic else None)
+    g = torch.Generator().manual_seed(3)
+    logits_err = 0.0
+    sizes = batches or [batch] * steps
+    req = {b: (RequestBatch(cache, b, start_len=start_len, seed=b, padding=padding),
+               RequestBatch(ref_cache, b, start_len=start_len, seed=b, padding=padding)) for b in set(sizes)}
+    with torch.no_grad():
+        for i, b in enumerate(sizes):
+            acc = None if accepted is None else accepted(i, b)
+            meta = req[b][0].step(q, acc)
+            ref_meta = req[b][1].step(q, acc)
+            ids = torch.randint(0, cfg.vocab_size, (b * q,), generator=g)
+            if dynamic:
+                for t in (ids, meta.slot_mapping, meta.block_table, meta.seq_lens, meta.state_indices, meta.accepted):
+                    torch._dynamo.mark_dynamic(t, 0)
+            out = model.step(ids, meta, cache, fn=compiled)
+            ref = model.step(ids, ref_meta, ref_cache)
+            assert torch.isfinite(out).all()
+            logits_err = max(logits_err, (out - ref).abs().max().item())
+    errs = cache_errors(cache.snapshot(), ref_cache.snapshot())
+    return PairResult(logits_err, max(errs.values()), errs, dep_compile.last_report(), len(sizes))
+
+
+def cache_errors(got: dict, ref: dict) -> dict:
+    """Max abs error per cache tensor; FP8 index keys compare dequantized, relative to each token's amax.
+
+    An FP8 e4m3 key moves by one step (1/8 relative at most) when a BF16 ulp of its input moves
+    it across a rounding boundary, and its power-of-two scale doubles when its amax crosses one;
+    the dequantized key (values x scale) is what the indexer reads, so that is compared, as a
+    fraction of the token's amax: FP8_REL tolerance.
+    """
+    errs = {}
+    for k, a in got.items():
+        b = ref[k]
+        if k.endswith("index_cache"):
+            sk = k.replace("index_cache", "index_scale")
+            da = a.float() * got[sk].unsqueeze(-1)
+            db = b.float() * ref[sk].unsqueeze(-1)
+            amax = torch.maximum(da.abs().amax(-1, keepdim=True), db.abs().amax(-1, keepdim=True)).clamp_min(1e-6)
+            errs[k] = ((da - db).abs() / amax).max().item() * (STATE_ATOL / FP8_REL)
+        elif k.endswith("index_scale"):
+            continue  # covered by the dequantized keys
+        else:
+            errs[k] = (a.float() - b.float()).abs().max().item()
+    return errs
+
+
+FP8_REL = 0.13  # one e4m3 step (<= 1/8 of the value) plus rounding
+
+
+def kinds_rewritten(report) -> dict:
+    out: dict = {}
+    for m in report.layers:
+        out.setdefault(m.kind, []).append(m.rewritten)
+    return out
