@@ -28,6 +28,7 @@ class PassContext:
         self.real: dict[Node, Any] = dict(zip(placeholders, example_inputs))
         self.fake_mode = next((v.fake_mode for v in map(val, placeholders) if hasattr(v, "fake_mode")), None)
         self.finalizers: list[Callable[[], None]] = []
+        self._body_start = next(n for n in gm.graph.nodes if n.op != "placeholder")
         self._packed = 0
 
     def param(self, node: Any, what: str) -> torch.Tensor:
@@ -66,8 +67,7 @@ class PassContext:
             from torch._dynamo.source import ConstantSource
 
             sources[name] = ConstantSource(name)
-        first = next(n for n in self.graph.nodes if n.op != "placeholder")
-        with self.graph.inserting_before(first):
+        with self.graph.inserting_before(self._body_start):
             node = self.graph.get_attr(name)
         node.meta["example_value"] = self.fake(packed)
         return node
@@ -80,18 +80,17 @@ class PassContext:
 
         The walk stops at ``x`` and at graph inputs, so it stays inside one layer.
         """
-        order = {n: i for i, n in enumerate(self.graph.nodes)}
         seen, stack = set(), [output]
         while stack:
             n = stack.pop()
             if n in seen or n is x or n.op in ("placeholder", "get_attr"):
                 continue
-            require(order[n] > order[x], f"{n.name} is computed before the layer input {x.name}", n)
+            require(n._sort_key > x._sort_key, f"{n.name} is computed before the layer input {x.name}", n)
             seen.add(n)
             require(len(seen) <= limit, f"layer region past {limit} nodes", output)
             stack.extend(n.all_input_nodes)
         depends: set[Node] = set()
-        for n in sorted(seen, key=order.__getitem__):
+        for n in sorted(seen, key=_position):
             if any(a is x or a in depends for a in n.all_input_nodes):
                 depends.add(n)
         return depends
@@ -134,8 +133,8 @@ class PassContext:
         new.meta["example_value"] = self._fake_call(target, args)
         output.replace_all_uses_with(new)
         frontier = []
-        for n in reversed(list(self.graph.nodes)):  # reverse topological order
-            if n in region and not n.users:
+        for n in sorted(region, key=_position, reverse=True):  # reverse topological order
+            if not n.users:
                 frontier.extend(a for a in n.all_input_nodes if a not in region)
                 self.graph.erase_node(n)
         while frontier:
@@ -155,6 +154,11 @@ class PassContext:
 
 _PLUMBING = ("float", "to", "bfloat16", "view", "reshape", "split", "chunk", "contiguous", operator.getitem,
              torch.split, torch.reshape, F.rms_norm, torch.rms_norm, F.layer_norm, torch.layer_norm)
+
+
+def _position(node: Node):
+    """The node's place in graph order (FX keeps ``_sort_key`` ordered as nodes are inserted)."""
+    return node._sort_key
 
 
 def _pure(node: Node) -> bool:
