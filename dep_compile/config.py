@@ -27,7 +27,6 @@ class DepOptions:
     max_q: int = MAX_VERIFY_Q
     moe_top_k: int = 16
     dump_dir: str | None = None
-    verify: bool = False
     inductor: bool = True
     inductor_config: dict = dataclasses.field(default_factory=dict)
 
@@ -40,7 +39,6 @@ class DepOptions:
         "max_q": "largest verify q (tokens per request) rewritten; larger steps are prefill-shaped",
         "moe_top_k": "the routed top-k a MoE must have to be rewritten (K3: 16)",
         "dump_dir": "write graphs, match reports and near misses here (or $DEP_COMPILE_DUMP_DIR)",
-        "verify": "run the rewritten graph against the stock graph once at compile time",
         "inductor": "False: return the rewritten graph without Inductor (pattern-only mode)",
         "inductor_config": "Inductor config patches passed to compile_fx",
     }
@@ -81,7 +79,7 @@ class DepOptions:
         if not all(isinstance(b, int) and b >= 1 for b in self.batches):
             raise self._bad("batches", self.batches)
         object.__setattr__(self, "batches", tuple(sorted(set(self.batches))))
-        for name in ("verify", "inductor"):
+        for name in ("inductor",):
             if not isinstance(getattr(self, name), bool):
                 raise self._bad(name, getattr(self, name))
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):

@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 import torch.fx as fx
 
 from dep_compile.config import DepOptions
+from dep_compile.debug import dump
 from dep_compile.debug.report import LayerMatch, MatchReport, record
 
 from .base import LayerPass, PassContext
@@ -50,6 +51,10 @@ class DepPassManager:
 
     def run(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> RewriteResult:
         t0 = time.perf_counter()
+        graph_name = f"graph_{DepPassManager._graphs}"
+        DepPassManager._graphs += 1
+        if self.options.dump_dir:
+            dump.write_before(self.options.dump_dir, graph_name, gm)
         ctx = PassContext(gm, example_inputs, self.options)
         rows: list[LayerMatch] = []
         for p in self.passes:
@@ -61,11 +66,12 @@ class DepPassManager:
                 rows.append(p.apply(ctx, found))
         gm.graph.lint()
         gm.recompile()
-        DepPassManager._graphs += 1
         rows.sort(key=lambda m: (m.layer if m.layer is not None else 1 << 30, m.kind == "moe"))
-        report = MatchReport(f"graph_{DepPassManager._graphs - 1}", rows, time.perf_counter() - t0,
-                             self.options.fingerprint())
+        report = MatchReport(graph_name, rows, time.perf_counter() - t0, self.options.fingerprint())
         record(report)
+        dump.emit_trace_artifact(report)
+        if self.options.dump_dir:
+            dump.write_after(self.options.dump_dir, report, gm)
         log.info("%s", report.summary())
         if not rows:
             log.warning("kimi_dep: no DSA, KDA, MoE or MLA subgraph found in %s; the graph is compiled unchanged",
