@@ -132,6 +132,9 @@ class MoePass(LayerPass):
         gu_w, sd_w = gu[1], sd[1]
         check_bf16("MoE activations/weights", x, down_w, gu_w, sd_w, up_lin[1], a["w13"], a["w2"])
         shared_inter = ctx.param(sd_w, "shared down_proj").shape[1]
+        ep_size = int(a["ep_size"])
+        E, E_local = ctx.param(gate_w, "router weight").shape[0], val(a["w13"]).shape[0]
+        require(E == E_local * ep_size, f"{E} experts != {E_local} local x EP size {ep_size}", R)
         require(ctx.param(gu_w, "shared gate_up").shape[0] == 2 * shared_inter, "shared gate_up is not 2x down's width", gu_w)
         latent = ctx.param(down_w, "latent down-proj").shape[0]
         for w, what in ((gate_w, "router weight"), (up_lin[1], "up-proj"), (bias, "correction bias")):
@@ -140,7 +143,7 @@ class MoePass(LayerPass):
 
         prepared = EpMoeLayer(
             shared_inter=shared_inter, latent=latent, top_k=top_k, scale=scale, beta=float(a["beta"]),
-            beta_lin=float(a["beta_lin"]), norm_eps=norm_eps, expert_start=int(a["expert_start"]),
+            beta_lin=float(a["beta_lin"]), norm_eps=norm_eps, expert_start=int(a["expert_start"]), ep_size=ep_size,
             front_max=opts.front_max, front=DepProjection("moe_front", opts.projection_tables["moe_front"]),
         )
         key = register(found.module, prepared)
@@ -148,4 +151,5 @@ class MoePass(LayerPass):
         front = ctx.pack([gu_w, down_w], "MoE front")
         ctx.replace(region, add, MOE.default, (x, front, gate_w, bias, a["w13"], a["w2"], norm_w, up_lin[1], sd_w, key),
                     found.module)
-        return "kimi_dep.moe", {"moe_front": prepared.front.policies([b for b in opts.batches if b <= opts.front_max])}
+        op = "kimi_dep.moe" if ep_size == 1 else f"kimi_dep.moe[ep{ep_size}]"
+        return op, {"moe_front": prepared.front.policies([b for b in opts.batches if b <= opts.front_max])}

@@ -26,6 +26,7 @@ class EpMoeLayer:
     beta_lin: float
     norm_eps: float
     expert_start: int
+    ep_size: int  # > 1: the experts call dispatches over the EP group (dep_compile.runtime.ep)
     front_max: int
     front: DepProjection
 
@@ -45,7 +46,7 @@ class EpMoeLayer:
         topk_w, topk_ids = self.route(x, gate_w, bias)
         shared = F.linear(situ(gate_up, self.beta, self.beta_lin), shared_down_w)
         routed = torch.ops.kimi_k3.routed_experts(latent, w13, w2, topk_w, topk_ids, self.expert_start,
-                                                  self.beta, self.beta_lin)
+                                                  self.ep_size, self.beta, self.beta_lin)
         routed = F.rms_norm(routed.float(), (self.latent,), norm_w.float(), self.norm_eps).to(x.dtype)
         return F.linear(routed, up_w) + shared
 

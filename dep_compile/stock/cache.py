@@ -175,3 +175,28 @@ class RequestBatch:
         self.lens = self.lens + acc
         d = self.device
         return StepMeta(q_len, slots.to(d), self.block_table.to(d), seq_lens.to(d), state.to(d), acc.to(d))
+
+
+FP8_REL = 0.13  # one e4m3 step (<= 1/8 of the value) plus rounding
+
+
+def cache_differences(got: dict, ref: dict, fp8_scale: float = 1.0) -> dict[str, float]:
+    """Max abs difference per cache tensor of two ``KimiCache.snapshot()``s.
+
+    FP8 index keys are compared dequantized (values x scale), as a fraction of each token's
+    amax, times ``fp8_scale``: an e4m3 key moves by one step (up to 1/8 of its value,
+    ``FP8_REL``) when a BF16 ulp of its input crosses a rounding boundary, and its
+    power-of-two scale doubles when the amax crosses one, so raw FP8 codes are not comparable.
+    """
+    errs = {}
+    for k, a in got.items():
+        b = ref[k]
+        if k.endswith("index_cache"):
+            sk = k.replace("index_cache", "index_scale")
+            da = a.float() * got[sk].unsqueeze(-1)
+            db = b.float() * ref[sk].unsqueeze(-1)
+            amax = torch.maximum(da.abs().amax(-1, keepdim=True), db.abs().amax(-1, keepdim=True)).clamp_min(1e-6)
+            errs[k] = ((da - db).abs() / amax).max().item() * fp8_scale
+        elif not k.endswith("index_scale"):  # scales are covered by the dequantized keys
+            errs[k] = (a.float() - b.float()).abs().max().item()
+    return errs

@@ -18,11 +18,13 @@ class FusedExperts(nn.Module):
         self.w13_weight = nn.Parameter(torch.empty(E, 2 * config.moe_intermediate, config.moe_latent_size))
         self.w2_weight = nn.Parameter(torch.empty(E, config.moe_latent_size, config.moe_intermediate))
         self.expert_start = expert_start
+        self.ep_size = config.n_routed_experts // E  # > 1: experts sharded over an EP group
         self.beta, self.beta_lin = config.situ_beta, config.situ_beta_lin
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         return torch.ops.kimi_k3.routed_experts(
-            x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.expert_start, self.beta, self.beta_lin)
+            x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.expert_start, self.ep_size, self.beta,
+            self.beta_lin)
 
 
 class KimiMoE(nn.Module):

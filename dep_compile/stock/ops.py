@@ -13,7 +13,7 @@ from .reference.attn_res import attn_res_ref
 from .reference.dsa import dsa_indexer_ref, sparse_mla_decode_ref
 from .reference.kda import kda_core_ref
 from .reference.mla import mla_decode_ref
-from .reference.moe import routed_experts_ref
+from .reference.moe import routed_experts_partial, routed_experts_ref
 
 
 @torch.library.custom_op("kimi_k3::kda_core", mutates_args=("conv_state", "recurrent_state"))
@@ -85,14 +85,23 @@ def _(q, latent, kv_b_weight, kv_cache, slot_mapping, block_table, topk_indices,
 @torch.library.custom_op("kimi_k3::routed_experts", mutates_args=())
 def routed_experts(
     x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
-    expert_start: int, beta: float, beta_lin: float,
+    expert_start: int, ep_size: int, beta: float, beta_lin: float,
 ) -> Tensor:
-    """The MoE's experts(latent, topk_weights, topk_ids): [T, Lat] (see routed_experts_ref)."""
+    """The MoE's experts(latent, topk_weights, topk_ids): [T, Lat] (see routed_experts_ref).
+
+    With ``ep_size`` > 1 this rank holds experts ``expert_start ..`` of E, and the call
+    dispatches to and combines from the EP group (``dep_compile.runtime.ep``).
+    """
+    if ep_size > 1:
+        from ..runtime.ep import dispatch_combine
+
+        local = lambda *a: routed_experts_partial(*a, beta, beta_lin)
+        return dispatch_combine(x, w13, w2, topk_weights, topk_ids, expert_start, ep_size, local)
     return routed_experts_ref(x, w13, w2, topk_weights, topk_ids, expert_start, beta, beta_lin)
 
 
 @routed_experts.register_fake
-def _(x, w13, w2, topk_weights, topk_ids, expert_start, beta, beta_lin):
+def _(x, w13, w2, topk_weights, topk_ids, expert_start, ep_size, beta, beta_lin):
     return x.new_empty(x.shape[0], w2.shape[1])
 
 

@@ -11,13 +11,21 @@ def routed_experts_ref(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
     topk_ids: torch.Tensor, expert_start: int, beta: float, beta_lin: float,
 ) -> torch.Tensor:
-    """Weighted sum of each token's selected local experts.
+    """Weighted sum of each token's selected local experts, rounded to BF16: [T, Lat]."""
+    return routed_experts_partial(x, w13, w2, topk_weights, topk_ids, expert_start, beta, beta_lin).to(x.dtype)
+
+
+def routed_experts_partial(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor, expert_start: int, beta: float, beta_lin: float,
+) -> torch.Tensor:
+    """Weighted sum of each token's selected local experts, in FP32.
 
     x: [T, Lat] BF16; w13: [E_local, 2*I, Lat] (gate | up); w2: [E_local, Lat, I];
     topk_weights: [T, K] FP32; topk_ids: [T, K] global expert ids. Experts
     ``expert_start .. expert_start + E_local - 1`` are local; other ids contribute nothing
     (another rank owns them). Per expert: h = x W13^T (BF16), a = SiTU(h) (BF16), y = a W2^T.
-    Returns [T, Lat] BF16, summed in FP32.
+    Returns [T, Lat] FP32.
     """
     E, two_i, _ = w13.shape
     out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
@@ -30,7 +38,7 @@ def routed_experts_ref(
         a = situ(h[:, : two_i // 2], h[:, two_i // 2 :], beta, beta_lin).to(x.dtype)
         y = a.float() @ w2[e].float().t()
         out.index_add_(0, tok, y * topk_weights[tok, slot].float().unsqueeze(1))
-    return out.to(x.dtype)
+    return out
 
 
 def route_ref(

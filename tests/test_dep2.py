@@ -1,0 +1,53 @@
+"""DEP2: two ranks (gloo on CPU, NCCL on 2 GPUs), each with its own requests and half the experts,
+equal to one device; bad EP setups fail on every rank with a clear error, not a hang."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+import torch.multiprocessing as mp
+
+import dep_workers
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(fn, world, *args):
+    mp.spawn(fn, args=(world, _port(), *args), nprocs=world, join=True)
+
+
+def test_dep2_gloo_equals_single_device(tmp_path):
+    _run(dep_workers.dep_check_worker, 2, str(tmp_path))
+    for r in range(2):
+        res = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert set(res["ops"]) == {"kimi_dep.moe[ep2]"}
+        # FP32 partials summed once per token: within one BF16 rounding of the single-device sum
+        assert res["logits_err"] < 0.1 and res["cache_err"] < 0.05, res
+
+
+@pytest.mark.cuda
+@pytest.mark.multigpu
+def test_dep2_nccl_equals_single_device(tmp_path):
+    _run(dep_workers.dep_check_worker, 2, str(tmp_path), "nccl")
+    for r in range(2):
+        res = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert set(res["ops"]) == {"kimi_dep.moe[ep2]"}
+        assert res["logits_err"] < 0.1 and res["cache_err"] < 0.05, res
+
+
+def test_ranks_not_dividing_experts_fail_everywhere(tmp_path):
+    _run(dep_workers.bad_setup_worker, 3, str(tmp_path), False)
+    msgs = [(tmp_path / f"rank{r}.txt").read_text() for r in range(3)]
+    assert all("3 ranks do not divide 64 experts" in m for m in msgs), msgs
+
+
+def test_mismatched_configs_fail_everywhere(tmp_path):
+    _run(dep_workers.bad_setup_worker, 2, str(tmp_path), True)
+    msgs = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
+    assert all("config differs" in m for m in msgs), msgs
