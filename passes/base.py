@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from dep_compile.config import DepOptions
 from dep_compile.debug.report import LayerMatch
+from dep_compile.ops.packing import pack_params
 
 from .fx_match import NoMatch, is_call, layer_index, module_path, require, val
 
@@ -28,8 +29,6 @@ class PassContext:
         self.real: dict[Node, Any] = dict(zip(placeholders, example_inputs))
         self.fake_mode = next((v.fake_mode for v in map(val, placeholders) if hasattr(v, "fake_mode")), None)
         self.finalizers: list[Callable[[], None]] = []
-        self._body_start = next(n for n in gm.graph.nodes if n.op != "placeholder")
-        self._packed = 0
 
     def param(self, node: Any, what: str) -> torch.Tensor:
         """The real nn.Parameter behind a placeholder, or NoMatch naming ``what``."""
@@ -37,43 +36,19 @@ class PassContext:
         require(isinstance(t, torch.nn.Parameter), f"{what} is not a module parameter", node if isinstance(node, Node) else None)
         return t
 
-    def pack(self, nodes: list[Node], what: str) -> Node:
-        """One packed weight [sum rows, K] from row-stacked parameters; the params become views of it.
+    def pack(self, nodes: list[Node], what: str) -> list[Node]:
+        """Schedule zero-copy packing of row-stacked parameters; return their nodes for the op.
 
-        The packed tensor is a GraphModule buffer read through a get_attr node; the params'
-        ``.data`` is swapped for row slices after compile_fx returns (design.md §5), so no second
-        copy of the weights survives. Params already packed in this order are reused as they are.
+        The params' ``.data`` become row slices of one packed tensor once compile_fx has
+        returned (design.md §5: swapping earlier breaks the compile), so no second copy of the
+        weights exists; the op views them as one matrix (``dep_compile.ops.packing``).
         """
         params = [self.param(n, what) for n in nodes]
         K = params[0].shape[1]
         require(all(p.dim() == 2 and p.shape[1] == K and p.dtype == params[0].dtype for p in params),
                 f"{what}: weights differ in width or dtype", nodes[0])
-        rows = [p.shape[0] for p in params]
-        packed = _already_packed(params)
-        if packed is None:
-            packed = torch.cat([p.detach() for p in params], 0)
-            offsets = [sum(rows[:i]) for i in range(len(rows))]
-
-            def swap():
-                for p, r0, r in zip(params, offsets, rows):
-                    p.data = packed[r0 : r0 + r]
-
-            self.finalizers.append(swap)
-        name = f"dep_packed_{self._packed}"
-        self._packed += 1
-        self.gm.register_buffer(name, packed)
-        sources = getattr(self.gm, "_param_name_to_source", None)
-        if isinstance(sources, dict):
-            from torch._dynamo.source import ConstantSource
-
-            sources[name] = ConstantSource(name)
-        with self.graph.inserting_before(self._body_start):
-            node = self.graph.get_attr(name)
-        node.meta["example_value"] = self.fake(packed)
-        return node
-
-    def fake(self, t: torch.Tensor):
-        return self.fake_mode.from_tensor(t, static_shapes=True) if self.fake_mode is not None else t
+        self.finalizers.append(lambda: pack_params(params))
+        return list(nodes)
 
     def layer_region(self, x: Node, output: Node, limit: int = 2000) -> set[Node]:
         """The nodes between the layer input ``x`` and ``output``: ancestors of ``output`` that depend on ``x``.
@@ -145,7 +120,7 @@ class PassContext:
         return new
 
     def _fake_call(self, target, args):
-        vals = tuple(val(a) if isinstance(a, Node) else a for a in args)
+        vals = fx.node.map_aggregate(args, lambda a: val(a) if isinstance(a, Node) else a)
         if self.fake_mode is None:
             return None
         with self.fake_mode:
@@ -178,20 +153,6 @@ def strip_view(node: Any) -> Any:
     while isinstance(node, Node) and node.op == "call_method" and node.target in ("squeeze", "view", "reshape", "contiguous"):
         node = node.args[0]
     return node
-
-
-def _already_packed(params: list[torch.Tensor]) -> torch.Tensor | None:
-    """If the params are consecutive row slices of one storage (packed earlier), that packed view."""
-    first = params[0]
-    if not all(p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for p in params):
-        return None
-    offset = first.storage_offset()
-    for p in params:
-        if not p.is_contiguous() or p.storage_offset() != offset:
-            return None
-        offset += p.numel()
-    rows = sum(p.shape[0] for p in params)
-    return first.detach().as_strided((rows, first.shape[1]), (first.shape[1], 1), first.storage_offset())
 
 
 @dataclasses.dataclass

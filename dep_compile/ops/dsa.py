@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..stock.reference.dsa import dsa_indexer_ref, sparse_mla_decode_ref
+from .packing import packed_rows
 from .projection import DepProjection
 from .registry import lookup
 
@@ -47,9 +48,10 @@ class PreparedDsa:
         q_idx = F.linear(q_a, wq_b_w).view(T, self.index_heads, self.index_dim)
         return q, torch.cat([c_kv, k_rope], -1), q_idx
 
-    def forward(self, x, packed_w, q_a_norm_w, kv_a_norm_w, q_b_w, kv_b_w, wq_b_w, k_norm_w, k_norm_b, o_proj_w,
+    def forward(self, x, proj_ws, q_a_norm_w, kv_a_norm_w, q_b_w, kv_b_w, wq_b_w, k_norm_w, k_norm_b, o_proj_w,
                 kv_cache, index_cache, index_scale, slot_mapping, block_table, seq_lens, q_len: int) -> Tensor:
-        q_a, kv_a, gate, k_idx, w_idx = self.projection(x, packed_w).split(self.split_sizes, -1)
+        packed = packed_rows(proj_ws, "DSA projection")  # [q_a | kv_a | gate | wk | wv] rows
+        q_a, kv_a, gate, k_idx, w_idx = self.projection(x, packed).split(self.split_sizes, -1)
         q, latent, q_idx = self.split_query(q_a, kv_a, q_a_norm_w, kv_a_norm_w, q_b_w, wq_b_w)
         k_idx = F.layer_norm(k_idx.float(), (self.index_dim,), k_norm_w.float(), k_norm_b.float(),
                              self.k_norm_eps).to(x.dtype)
@@ -63,21 +65,23 @@ class PreparedDsa:
 
 @torch.library.custom_op("kimi_dep::dsa_attention", mutates_args=("kv_cache", "index_cache", "index_scale"))
 def dsa_attention(
-    x: Tensor, packed_w: Tensor, q_a_norm_w: Tensor, kv_a_norm_w: Tensor, q_b_w: Tensor, kv_b_w: Tensor,
+    x: Tensor, proj_ws: list[Tensor], q_a_norm_w: Tensor, kv_a_norm_w: Tensor, q_b_w: Tensor, kv_b_w: Tensor,
     wq_b_w: Tensor, k_norm_w: Tensor, k_norm_b: Tensor, o_proj_w: Tensor, kv_cache: Tensor, index_cache: Tensor,
     index_scale: Tensor, slot_mapping: Tensor, block_table: Tensor, seq_lens: Tensor, q_len: int, layer: str,
 ) -> Tensor:
     """A whole DSA attention layer at TP1: x [T, hidden] -> [T, hidden]; mutates the three caches.
 
-    packed_w: [q_lora + kv_lora + rope + H*v + Di + Hi, hidden] (14560 rows at full size);
+    proj_ws: the row blocks of the packed projection, [fused_qkv_a_g, wk, weights_proj] (or
+    [fused, wk_weights_proj]), adjacent views of one [q_lora + kv_lora + rope + H*v + Di + Hi,
+    hidden] tensor (14560 rows at full size) once packed (dep_compile.ops.packing);
     caches and metadata as ``kimi_k3::dsa_indexer`` / ``kimi_k3::sparse_mla_decode``.
     """
-    return lookup(layer).forward(x, packed_w, q_a_norm_w, kv_a_norm_w, q_b_w, kv_b_w, wq_b_w, k_norm_w, k_norm_b,
+    return lookup(layer).forward(x, proj_ws, q_a_norm_w, kv_a_norm_w, q_b_w, kv_b_w, wq_b_w, k_norm_w, k_norm_b,
                                  o_proj_w, kv_cache, index_cache, index_scale, slot_mapping, block_table, seq_lens,
                                  q_len)
 
 
 @dsa_attention.register_fake
-def _(x, packed_w, q_a_norm_w, kv_a_norm_w, q_b_w, kv_b_w, wq_b_w, k_norm_w, k_norm_b, o_proj_w, kv_cache,
+def _(x, proj_ws, q_a_norm_w, kv_a_norm_w, q_b_w, kv_b_w, wq_b_w, k_norm_w, k_norm_b, o_proj_w, kv_cache,
       index_cache, index_scale, slot_mapping, block_table, seq_lens, q_len, layer):
     return x.new_empty(x.shape[0], o_proj_w.shape[0])
