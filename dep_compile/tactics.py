@@ -38,13 +38,30 @@ CUBLAS = "cublas"
 Tactic = Union[SplitK, str]
 TacticTable = Mapping[int, Tactic]
 
-# Until a table is measured on the GPU it serves, every bin is cuBLAS: never a guessed win.
+# Measured on an H200 (SXM 141 GB; torch 2.11, Triton 3.6) on 2026-11-30 with
+# benchmarks/bench_projection.py; docs/perf_projection.md has every number. Each split-K entry
+# beat cuBLAS by more than the noise (max(0.5 %, spread between interleaved rounds)) at its bin
+# and at the in-between batches measured (1-64 rows); ties go to cuBLAS. At these N (>= 7168
+# rows) the best tactic does not split K at all (split_k = 1): N / block_n >= 112 row tiles
+# already keep HBM busy, and every split_k > 1 measured slower (2-8 % at 1 row, more at 64).
+# TB/s below: weight bytes / time, CUDA-graph replays, weights rotated past L2 (validation run).
 DEP_PROJECTION: dict[str, dict[int, Tactic]] = {
-    "dsa_qkv_a_g_index": {},  # 14560 x 7168
-    "kda_in_proj": {},  # 49376 x 7168
-    "moe_front": {},  # 15872 x 7168
+    # 14560 x 7168: 4.16-4.20 TB/s at 1-16 rows, 4.11 at 32, 3.97 at 64; 1.03-1.13x cuBLAS.
+    "dsa_qkv_a_g_index": {64: SplitK(1, 128, 128, 8, 4)},
+    # 49376 x 7168: 4.31-4.42 TB/s at 1-32 rows, 4.14 at 64; 1.05-1.09x cuBLAS.
+    "kda_in_proj": {32: SplitK(1, 64, 128, 4, 4), 64: SplitK(1, 128, 128, 8, 4)},
+    # 15872 x 7168: 4.15-4.25 TB/s at 1-32 rows, 1.005-1.012x cuBLAS (small, but in two runs);
+    # a tie from 40 rows on.
+    "moe_front": {32: SplitK(1, 128, 128, 8, 4), 64: CUBLAS},
 }
-DEP_OPROJ: dict[int, Tactic] = {}  # 7168 x 12288
+# 7168 x 12288: 4.09-4.15 TB/s at 1-16 rows (1.07-1.10x cuBLAS), 4.05 at 24-32 (1.04x); a tie
+# at 41-56 rows (cuBLAS); at 57-64 rows 1.21x (cuBLAS picks a slow kernel at 64).
+DEP_OPROJ: dict[int, Tactic] = {
+    16: SplitK(1, 64, 256, 4, 4),
+    40: SplitK(1, 64, 128, 4, 6),
+    56: CUBLAS,
+    64: SplitK(1, 64, 128, 4, 6),
+}
 
 
 def lookup(table: TacticTable, rows: int) -> Tactic:

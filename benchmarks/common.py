@@ -1,0 +1,232 @@
+"""Timing and reporting helpers shared by the project's GPU benchmarks.
+
+How the project times GPU work (design.md §7, METHOD.md):
+
+* CUDA events around CUDA-graph replays; one replay runs ``n_steps`` launches back to back and
+  the time per launch is the replay's time over ``n_steps``; we report the median over
+  replays (and keep min / p20 / p80);
+* weights rotated past L2: a benchmark keeps :func:`rotation_copies` copies of its weights
+  (together more than twice the L2) and launch ``i`` of the graph reads copy ``i % copies``,
+  so no launch finds its weights in L2;
+* never on zeros: inputs are random;
+* floors: the bytes that must move over the practical read ceiling (4.33 TB/s, a streaming
+  read measured on the H200) and over the spec (4.8 TB/s).
+
+Nothing here imports CUDA-only packages at import time; matplotlib is imported by
+:func:`plot_panels` only.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+from typing import Callable, Iterable, Mapping, Sequence
+
+import torch
+
+HBM_PRACTICAL_BPS = 4.33e12
+"""Practical read ceiling (bytes/s): a streaming read on the H200 (Triton load-only, torch.sum)."""
+HBM_SPEC_BPS = 4.8e12
+"""H200 HBM3e bandwidth by the datasheet (bytes/s)."""
+DEFAULT_L2_BYTES = 60 * 1000 * 1000
+
+
+def floor_us(nbytes: float, bps: float = HBM_PRACTICAL_BPS) -> float:
+    """Microseconds to move ``nbytes`` at ``bps`` bytes/s."""
+    return nbytes / bps * 1e6
+
+
+def floors_us(nbytes: float) -> dict[str, float]:
+    """Both floors for ``nbytes``: ``{"practical": at 4.33 TB/s, "spec": at 4.8 TB/s}`` in µs."""
+    return {"practical": floor_us(nbytes, HBM_PRACTICAL_BPS), "spec": floor_us(nbytes, HBM_SPEC_BPS)}
+
+
+def tbps(nbytes: float, us: float) -> float:
+    """Effective TB/s of moving ``nbytes`` in ``us`` microseconds."""
+    return nbytes / (us * 1e-6) / 1e12
+
+
+def l2_bytes(device: "torch.device | int | None" = None) -> int:
+    """The device's L2 size in bytes (60 MB on the H200 when the property is missing)."""
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(device if device is not None else torch.cuda.current_device())
+        size = getattr(props, "L2_cache_size", 0)
+        if size:
+            return int(size)
+    return DEFAULT_L2_BYTES
+
+
+def rotation_copies(nbytes_per_copy: int, l2: int | None = None, min_copies: int = 2) -> int:
+    """How many copies of an operand of ``nbytes_per_copy`` bytes to rotate among so that
+    their total exceeds twice the L2 (and at least ``min_copies``)."""
+    l2 = l2 if l2 is not None else l2_bytes()
+    return max(min_copies, math.ceil(2 * l2 / max(1, nbytes_per_copy)) + 1)
+
+
+def steps_per_replay(est_us: float, copies: int, target_us: float = 1500.0, max_steps: int = 200) -> int:
+    """Launches per graph replay: a multiple of ``copies`` whose replay lasts about ``target_us``."""
+    steps = max(1, math.ceil(target_us / max(est_us, 1e-3)))
+    steps = min(max_steps, max(steps, copies))
+    return math.ceil(steps / copies) * copies
+
+
+def _stats(values: Sequence[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    n = len(ordered)
+
+    def q(p: float) -> float:
+        return ordered[min(n - 1, max(0, int(round(p * (n - 1)))))]
+
+    return {
+        "median_us": statistics.median(ordered),
+        "min_us": ordered[0],
+        "p20_us": q(0.2),
+        "p80_us": q(0.8),
+        "n": n,
+    }
+
+
+def time_graph(
+    step: Callable[[int], object],
+    n_steps: int,
+    *,
+    replays: int = 10,
+    warmup_replays: int = 3,
+) -> dict[str, float]:
+    """Time ``step(0), ..., step(n_steps - 1)`` captured in one CUDA graph.
+
+    ``step(i)`` enqueues launch ``i`` (rotate operands by ``i``). Each step runs once eagerly
+    on a side stream first (compiles Triton kernels, creates cuBLAS handles), then the graph
+    is captured, replayed ``warmup_replays`` times, and ``replays`` replays are timed with CUDA
+    events. Returns per-launch µs statistics (median, min, p20, p80).
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(n_steps):
+            step(i)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(n_steps):
+            step(i)
+    for _ in range(warmup_replays):
+        graph.replay()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
+    for r in range(replays):
+        starts[r].record()
+        graph.replay()
+        ends[r].record()
+    torch.cuda.synchronize()
+    per_launch = [s.elapsed_time(e) * 1e3 / n_steps for s, e in zip(starts, ends)]
+    graph.reset()
+    del graph
+    out = _stats(per_launch)
+    out["n_steps"] = n_steps
+    return out
+
+
+def env_info() -> dict[str, object]:
+    """Where a measurement ran: date, host, GPU, SMs, L2, torch / CUDA / Triton versions."""
+    info: dict[str, object] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+    }
+    try:
+        import triton  # noqa: PLC0415 - optional, CUDA machines only
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        info.update(
+            gpu=props.name,
+            sms=props.multi_processor_count,
+            l2_bytes=l2_bytes(),
+            memory_bytes=props.total_memory,
+            capability=f"{props.major}.{props.minor}",
+        )
+    return info
+
+
+def write_json(path: str, payload: Mapping[str, object], *, with_env: bool = True) -> str:
+    """Write ``payload`` (plus ``env``: :func:`env_info`) as indented JSON; returns the path."""
+    data = dict(payload)
+    if with_env and "env" not in data:
+        data["env"] = env_info()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1, default=str)
+    return path
+
+
+def format_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    """A plain aligned text table (also valid Markdown)."""
+    rows = [[str(c) for c in r] for r in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+    line = lambda cells: "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(headers), sep] + [line(r) for r in rows])
+
+
+def plot_panels(
+    path: str,
+    panels: Sequence[Mapping[str, object]],
+    *,
+    xlabel: str,
+    ylabel: str,
+    suptitle: str = "",
+    logx: bool = True,
+) -> str | None:
+    """Save a PNG with one subplot per panel; returns the path, or None without matplotlib.
+
+    Each panel: ``{"title": str, "x": [..], "series": {label: [y..]}, "hlines": {label: y}}``.
+    """
+    try:
+        import matplotlib  # noqa: PLC0415
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        return None
+    n = len(panels)
+    cols = min(n, 2)
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 4.2 * rows), squeeze=False)
+    for ax, panel in zip(axes.flat, panels):
+        xs = list(panel["x"])
+        for label, ys in dict(panel.get("series", {})).items():
+            pts = [(x, y) for x, y in zip(xs, ys) if y is not None]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        for i, (label, y) in enumerate(dict(panel.get("hlines", {})).items()):
+            ax.axhline(y, linestyle="--", linewidth=1, color=f"C{7 + i}", label=label)
+        if logx:
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(xs)
+            ax.set_xticklabels([str(x) for x in xs], rotation=45 if len(xs) > 8 else 0)
+            ax.minorticks_off()
+        ax.set_title(str(panel.get("title", "")))
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in list(axes.flat)[n:]:
+        ax.set_visible(False)
+    if suptitle:
+        fig.suptitle(suptitle)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
