@@ -13,7 +13,8 @@ from .reference.attn_res import attn_res_ref
 from .reference.dsa import dsa_indexer_ref, sparse_mla_decode_ref
 from .reference.kda import kda_core_ref
 from .reference.mla import mla_decode_ref
-from .reference.moe import routed_experts_partial, routed_experts_ref
+from .grouped_experts import routed_experts_grouped
+from .reference.moe import routed_experts_partial
 
 
 @torch.library.custom_op("kimi_k3::kda_core", mutates_args=("conv_state", "recurrent_state"))
@@ -92,12 +93,14 @@ def routed_experts(
     With ``ep_size`` > 1 this rank holds experts ``expert_start ..`` of E, and the call
     dispatches to and combines from the EP group (``dep_compile.runtime.ep``).
     """
+    # CUDA: two grouped GEMMs (the fair stock baseline); CPU: the readable reference
+    local_fn = routed_experts_grouped if x.is_cuda else routed_experts_partial
+    local = lambda *a: local_fn(*a, beta, beta_lin)  # noqa: E731
     if ep_size > 1:
         from ..runtime.ep import dispatch_combine
 
-        local = lambda *a: routed_experts_partial(*a, beta, beta_lin)
         return dispatch_combine(x, w13, w2, topk_weights, topk_ids, expert_start, ep_size, local)
-    return routed_experts_ref(x, w13, w2, topk_weights, topk_ids, expert_start, beta, beta_lin)
+    return local(x, w13, w2, topk_weights, topk_ids, expert_start).to(x.dtype)
 
 
 @routed_experts.register_fake
