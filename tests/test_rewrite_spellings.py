@@ -8,7 +8,7 @@ from torch import nn
 
 from dep_compile.stock import KimiCache, RequestBatch, build_model, preset
 
-from helpers import run_pair
+from helpers import CUBLAS_ONLY, run_pair
 
 
 class MatmulT(nn.Module):
@@ -89,7 +89,7 @@ def test_packing_is_zero_copy_and_sees_weight_updates():
     assert _storage_bytes(model) == before
     # an in-place weight update is seen by the compiled graph (same storage), with no recompile
     cache = KimiCache.allocate(cfg, num_slots=4, num_blocks=16, block_size=4)
-    compiled = torch.compile(model, backend="kimi_dep", options={"inductor": False}, fullgraph=True)
+    compiled = torch.compile(model, backend="kimi_dep", options={"inductor": False, **CUBLAS_ONLY}, fullgraph=True)
     ids = torch.randint(0, cfg.vocab_size, (2,))
     with torch.no_grad():
         c1, c2 = cache.clone(), cache.clone()

@@ -33,24 +33,80 @@ class EpMoeLayer:
 
     def route(self, x: Tensor, gate_w: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
         """Sigmoid top-k: FP32 logits, bias for selection only, renormalized, scaled."""
-        scores = torch.sigmoid(F.linear(x.float(), gate_w.float()))
+        if x.is_cuda:  # BF16 operands, FP32 accumulate and output: no FP32 copy of the weight
+            logits = torch.mm(x, gate_w.t(), out_dtype=torch.float32)
+        else:
+            logits = F.linear(x.float(), gate_w.float())
+        scores = torch.sigmoid(logits)
         ids = torch.topk(scores + bias, self.top_k, dim=-1).indices
         w = scores.gather(1, ids)
         return w / w.sum(-1, keepdim=True) * self.scale, ids
 
-    def forward(self, x, front_ws, gate_w, bias, w13, w2, norm_w, up_w, shared_down_w) -> Tensor:
-        gu_w, down_w = front_ws
-        if x.shape[0] > self.front_max:  # the stock path: two plain GEMMs
-            gate_up, latent = F.linear(x, gu_w), F.linear(x, down_w)
-        else:
-            front = packed_rows(front_ws, "MoE front")  # [shared gate_up | latent down] rows
-            gate_up, latent = self.front(x, front).split([2 * self.shared_inter, self.latent], -1)
-        topk_w, topk_ids = self.route(x, gate_w, bias)
-        shared = F.linear(situ(gate_up, self.beta, self.beta_lin), shared_down_w)
+    def front_gemm(self, x: Tensor, front_ws: list[Tensor]) -> tuple[Tensor, Tensor]:
+        """(shared gate_up [T, 2*SI], latent [T, Lat]): one packed GEMM, or stock's two above FRONT_MAX."""
+        if x.shape[0] > self.front_max:
+            return F.linear(x, front_ws[0]), F.linear(x, front_ws[1])
+        front = packed_rows(front_ws, "MoE front")  # [shared gate_up | latent down] rows
+        return self.front(x, front).split([2 * self.shared_inter, self.latent], -1)
+
+    def experts_tail(self, latent, topk_w, topk_ids, w13, w2, norm_w, up_w) -> Tensor:
+        """Routed experts -> latent RMSNorm -> up-projection: [T, hidden] BF16."""
         routed = torch.ops.kimi_k3.routed_experts(latent, w13, w2, topk_w, topk_ids, self.expert_start,
                                                   self.ep_size, self.beta, self.beta_lin)
-        routed = F.rms_norm(routed.float(), (self.latent,), norm_w.float(), self.norm_eps).to(x.dtype)
-        return F.linear(routed, up_w) + shared
+        routed = F.rms_norm(routed.float(), (self.latent,), norm_w.float(), self.norm_eps).to(latent.dtype)
+        return F.linear(routed, up_w)
+
+    def forward(self, x, front_ws, gate_w, bias, w13, w2, norm_w, up_w, shared_down_w) -> Tensor:
+        if x.is_cuda:
+            return self.forward_streams(x, front_ws, gate_w, bias, w13, w2, norm_w, up_w, shared_down_w)
+        gate_up, latent = self.front_gemm(x, front_ws)
+        topk_w, topk_ids = self.route(x, gate_w, bias)
+        shared = F.linear(situ(gate_up, self.beta, self.beta_lin), shared_down_w)
+        return self.experts_tail(latent, topk_w, topk_ids, w13, w2, norm_w, up_w) + shared
+
+    def forward_streams(self, x, front_ws, gate_w, bias, w13, w2, norm_w, up_w, shared_down_w) -> Tensor:
+        """The same math with the router and the shared expert on a side stream.
+
+        main: front GEMM ----------> experts -> norm -> up ----> + shared
+        side:   router (needs x) --^   shared expert (needs the front) --^
+        Events order the streams (graph-capturable: fork from and join to the capturing
+        stream); tensors made on the side stream are recorded on main before main reads them.
+        """
+        main = torch.cuda.current_stream()
+        side = _side_stream(x.device)
+        forked = torch.cuda.Event()
+        forked.record(main)
+        with torch.cuda.stream(side):
+            side.wait_event(forked)
+            topk_w, topk_ids = self.route(x, gate_w, bias)
+            routed_ready = torch.cuda.Event()
+            routed_ready.record(side)
+        gate_up, latent = self.front_gemm(x, front_ws)
+        front_ready = torch.cuda.Event()
+        front_ready.record(main)
+        with torch.cuda.stream(side):
+            side.wait_event(front_ready)
+            shared = F.linear(situ(gate_up, self.beta, self.beta_lin), shared_down_w)
+            shared_ready = torch.cuda.Event()
+            shared_ready.record(side)
+        main.wait_event(routed_ready)
+        for t in (topk_w, topk_ids):
+            t.record_stream(main)
+        gate_up.record_stream(side)
+        tail = self.experts_tail(latent, topk_w, topk_ids, w13, w2, norm_w, up_w)
+        main.wait_event(shared_ready)
+        shared.record_stream(main)
+        return tail + shared
+
+
+_SIDE: dict = {}
+
+
+def _side_stream(device) -> "torch.cuda.Stream":
+    """One side stream per device, made once (creating streams inside a step would allocate)."""
+    if device not in _SIDE:
+        _SIDE[device] = torch.cuda.Stream(device=device)
+    return _SIDE[device]
 
 
 @torch.library.custom_op("kimi_dep::moe", mutates_args=())

@@ -115,7 +115,7 @@ def check_step(config: K3Config, input_ids: torch.Tensor, meta: StepMeta, cache:
             raise StepError(msg)
 
     B, q = meta.num_requests, meta.q_len
-    need(isinstance(q, int) and q >= 1, f"q_len must be a positive int, got {q!r}")
+    need(isinstance(q, int) and not isinstance(q, bool) and q >= 1, f"q_len must be a positive int, got {q!r}")
     need(input_ids.dtype in (torch.int32, torch.int64), f"input_ids must be int32/int64, got {input_ids.dtype}")
     need(input_ids.dim() == 1 and input_ids.shape[0] == B * q,
          f"input_ids must be [B*q_len] = [{B * q}], got {list(input_ids.shape)}")
@@ -129,6 +129,7 @@ def check_step(config: K3Config, input_ids: torch.Tensor, meta: StepMeta, cache:
         need(t.dtype in dtypes, f"meta.{name} must be one of {dtypes}, got {t.dtype}")
         need(list(t.shape) == shape, f"meta.{name} must have shape {shape}, got {list(t.shape)}")
     bt = meta.block_table
+    need(bt.dtype in (torch.int32, torch.int64), f"meta.block_table must be int32/int64, got {bt.dtype}")
     need(bt.dim() == 2 and bt.shape[0] == B, f"meta.block_table must be [B={B}, max_blocks], got {list(bt.shape)}")
     need(bool(((input_ids >= 0) & (input_ids < config.vocab_size)).all()),
          f"input_ids out of range [0, {config.vocab_size})")
@@ -137,6 +138,10 @@ def check_step(config: K3Config, input_ids: torch.Tensor, meta: StepMeta, cache:
     need(bool(((sm >= -1) & (sm < n_slots)).all()), f"meta.slot_mapping out of range [-1, {n_slots})")
     si = meta.state_indices
     need(bool(((si >= -1) & (si < cache.num_slots)).all()), f"meta.state_indices out of range [-1, {cache.num_slots})")
+    live = si[si >= 0]
+    need(live.unique().numel() == live.numel(), "meta.state_indices repeat a state slot (two requests, one KDA state)")
+    used = sm[sm >= 0]
+    need(used.unique().numel() == used.numel(), "meta.slot_mapping repeats a cache slot (two tokens, one entry)")
     need(bool(((meta.accepted >= 1) & (meta.accepted <= q)).all()), f"meta.accepted must lie in [1, q_len={q}]")
     need(bool((meta.seq_lens >= q).all()), f"meta.seq_lens must be >= q_len={q}")
     need(bool((meta.seq_lens <= bt.shape[1] * cache.block_size).all()),

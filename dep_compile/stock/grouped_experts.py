@@ -29,7 +29,8 @@ def routed_experts_grouped(
     valid = (local >= 0) & (local < E)
     key = torch.where(valid, local, E).flatten()  # [T*K]
     order = torch.argsort(key, stable=True)
-    offs = torch.bincount(key, minlength=E + 1)[:E].cumsum(0).to(torch.int32)  # group ends
+    counts = torch.zeros(E + 1, dtype=torch.int64, device=x.device).scatter_add_(0, key, torch.ones_like(key))
+    offs = counts[:E].cumsum(0).to(torch.int32)  # group ends (bincount would sync with the host)
     tok = order // K
     h = torch._grouped_mm(x[tok], w13.transpose(1, 2), offs=offs)  # [T*K, 2I] BF16
     a = situ(h[:, : two_i // 2], h[:, two_i // 2 :], beta, beta_lin).to(x.dtype)
