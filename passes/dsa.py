@@ -12,8 +12,8 @@ from dep_compile.ops.projection import DepProjection
 from dep_compile.ops.registry import register
 
 from .base import Found, LayerPass, PassContext, check_bf16, check_only_user
-from .fx_match import (as_linear, is_call, match_layer_norm, match_rms_norm, op_args, require, single_user,
-                       split_part, strip_casts, val)
+from .fx_match import (as_linear, is_call, is_view, match_layer_norm, match_rms_norm, op_args, producer, require,
+                       single_user, split_part, strip_casts, val)
 
 SPARSE_MLA = torch.ops.kimi_k3.sparse_mla_decode
 INDEXER = torch.ops.kimi_k3.dsa_indexer
@@ -27,7 +27,7 @@ def _linear(node, what):
 
 
 def _unview(node, what):
-    require(is_call(node, "view", "reshape", torch.reshape), f"{what} is not a view of a projection", node)
+    require(is_view(node), f"{what} is not a view of a projection", node)
     return node.args[0]
 
 
@@ -47,27 +47,30 @@ class DsaPass(LayerPass):
     def rewrite(self, ctx: PassContext, found: Found):
         S = found.anchor
         a = op_args(S, SPARSE_MLA.default)
-        I = a["topk_indices"]
+        I = producer(a["topk_indices"])  # the indexer call (its auto_functionalized wrapper post-grad)
         require(is_call(I, INDEXER), "sparse MLA's selection does not come from the DSA indexer", I)
-        require(single_user(I) is S, "indexer output has other users", I)
+        I_out = ctx.result(I)
+        require(single_user(I_out) is S, "indexer output has other users", I)
         ia = op_args(I, INDEXER.default)
         for name in ("slot_mapping", "block_table", "q_len"):
             require(ia[name] is a[name], f"indexer and sparse MLA disagree on {name}", I)
-        region = {S, I}
+        S_out = ctx.result(S)
+        region = {S, I, I_out, S_out}
 
         # MLA query: view(q_b(rms(q_a))), q_a = fused[0]
         q_b_out = _unview(a["q"], "q")
         q_a_n, q_b_w = _linear(q_b_out, "q_b_proj")
-        q_a, q_a_norm_w, q_a_eps = match_rms_norm(q_a_n)
+        q_a, q_a_norm_w, q_a_eps = match_rms_norm(q_a_n, into=region)
         fused, sizes = _part(q_a, 0, "q_a")
         x, fused_w = _linear(fused, "fused_qkv_a_g_proj")
         require(len(sizes) == 3, f"fused a-proj split into {len(sizes)} parts, expected q_a | kv_a | gate", fused)
         region |= {a["q"], q_b_out, q_a_n, fused}
         # latent: cat([rms(c_kv), k_rope]) with c_kv, k_rope = fused[1].split
         lat = a["latent"]
-        require(is_call(lat, torch.cat) and len(lat.args[0]) == 2, "latent is not cat([norm(c_kv), k_rope])", lat)
+        require(is_call(lat, torch.cat, torch.ops.aten.cat) and len(lat.args[0]) == 2,
+                "latent is not cat([norm(c_kv), k_rope])", lat)
         c_n, k_rope = lat.args[0]
-        c_kv, kv_a_norm_w, kv_a_eps = match_rms_norm(c_n)
+        c_kv, kv_a_norm_w, kv_a_eps = match_rms_norm(c_n, into=region)
         kv_a, kv_sizes = _part(c_kv, 0, "c_kv")
         kv_a2, _ = _part(k_rope, 1, "k_rope")
         require(kv_a is kv_a2, "c_kv and k_rope come from different splits", lat)
@@ -80,7 +83,7 @@ class DsaPass(LayerPass):
         require(q_a_n2 is q_a_n, "indexer wq_b does not read the normed q_a", wq_b_out)
         region |= {ia["q_idx"], wq_b_out}
         # indexer keys and weights: separate wk / weights_proj, or one merged wk_weights_proj
-        k_raw, k_norm_w, k_norm_b, k_eps = match_layer_norm(ia["k"])
+        k_raw, k_norm_w, k_norm_b, k_eps = match_layer_norm(ia["k"], into=region)
         region.add(ia["k"])
         w_node = ia["weights"]
         if split_part(k_raw) is not None:
@@ -98,12 +101,12 @@ class DsaPass(LayerPass):
             pack = [fused_w, wk_w, wp_w]
             region |= {k_raw, w_node}
         # output: o_proj((o.float() * sigmoid(gate.float())).to(bf16)), gate = fused[2]
-        o_f = single_user(S)
-        require(o_f is not None and strip_casts(o_f) is S, "sparse MLA output does not feed only the gate", S)
+        o_f = single_user(S_out)
+        require(o_f is not None and strip_casts(o_f) is S_out, "sparse MLA output does not feed only the gate", S)
         mul = single_user(o_f)
-        require(is_call(mul, operator.mul, torch.mul), "sparse MLA output is not multiplied by the gate", o_f)
+        require(is_call(mul, operator.mul, torch.mul, torch.ops.aten.mul), "sparse MLA output is not multiplied by the gate", o_f)
         sig = mul.args[1] if mul.args[0] is o_f else mul.args[0]
-        require(is_call(sig, torch.sigmoid), "the output gate is not a sigmoid", sig)
+        require(is_call(sig, torch.sigmoid, torch.ops.aten.sigmoid), "the output gate is not a sigmoid", sig)
         gate, _ = _part(strip_casts(sig.args[0]), 2, "gate")
         require(gate is fused, "the gate is not part 2 of the fused a-proj", sig)
         o_cast = single_user(mul)
@@ -122,7 +125,7 @@ class DsaPass(LayerPass):
         check_bf16("DSA activations/weights", x, fused_w, q_b_w, wq_b_w, o_w, a["kv_cache"])
         for n in (a["kv_cache"], ia["index_cache"], ia["index_scale"]):
             check_only_user(n, S if n is a["kv_cache"] else I, n.name)
-        require(isinstance(a["q_len"], int), "q_len is not a static int", S)
+        require(isinstance(a["q_len"], int), "q_len is dynamic (Dynamo made it a SymInt after it changed); compile with dynamic=False so each q gets its own graph", S)
         require(a["q_len"] <= ctx.options.max_q, f"prefill-shaped step: q_len={a['q_len']} > max_q={ctx.options.max_q}", S)
         for w, what in ((q_b_w, "q_b_proj"), (wq_b_w, "wq_b"), (o_w, "o_proj"), (a["kv_b_weight"], "kv_b_proj")):
             ctx.param(w, what)

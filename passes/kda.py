@@ -51,9 +51,10 @@ class KdaPass(LayerPass):
         require(in_w_t.shape[0] == sum(sizes), f"in_proj has {in_w_t.shape[0]} rows, split {sum(sizes)}", in_w)
         ctx.param(f_b_w, "f_b_proj weight")
         # the output: o_proj(core) and nothing else reads the core's output
-        o_user = single_user(core)
+        core_out = ctx.result(core)  # the core itself, or getitem 0 of its auto_functionalized wrapper
+        o_user = single_user(core_out)
         o_proj = as_linear(o_user) if o_user is not None else None
-        require(o_proj is not None and o_proj[0] is core and o_proj[2] is None, "core output does not feed only o_proj", core)
+        require(o_proj is not None and o_proj[0] is core_out and o_proj[2] is None, "core output does not feed only o_proj", core)
         o_w = o_proj[1]
         ctx.param(o_w, "o_proj weight")
         check_bf16("KDA activations/weights", x, in_w, f_b_w, o_w, a["conv_state"])
@@ -61,7 +62,7 @@ class KdaPass(LayerPass):
         check_only_user(a["conv_state"], core, "conv state")
         check_only_user(a["recurrent_state"], core, "recurrent state")
         q_len = a["q_len"]
-        require(isinstance(q_len, int), "q_len is not a static int", core)
+        require(isinstance(q_len, int), "q_len is dynamic (Dynamo made it a SymInt after it changed); compile with dynamic=False so each q gets its own graph", core)
         require(q_len <= ctx.options.max_q, f"prefill-shaped step: q_len={q_len} > max_q={ctx.options.max_q}", core)
         require(val(x).dim() == 2, "in_proj input is not [T, hidden]", x)
 
@@ -73,7 +74,7 @@ class KdaPass(LayerPass):
         )
         key = register(found.module, prepared)
         split = a["q"].args[0]
-        region = ctx.verified_region(x, o_user, {src, split, *split.users, a["g_raw"], core, o_user})
+        region = ctx.verified_region(x, o_user, {src, split, *split.users, a["g_raw"], core, core_out, o_user})
         ctx.replace(region, o_user, KDA_ATTENTION.default, (
             x, in_w, f_b_w, a["conv_weight"], a["A_log"], a["dt_bias"], a["o_norm_weight"], o_w, a["conv_state"],
             a["recurrent_state"], a["state_indices"], a["accepted"], q_len, key), found.module)

@@ -9,7 +9,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import torch
 import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from dep_compile.config import DepOptions
 from dep_compile.debug import dump
@@ -49,13 +51,14 @@ class DepPassManager:
         self.options = options
         self.passes = [p() for p in PASSES]
 
-    def run(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> RewriteResult:
+    def run(self, gm: fx.GraphModule, example_inputs: Sequence[Any] | None, postgrad: bool = False) -> RewriteResult:
+        """Rewrite ``gm`` in place. ``postgrad``: it is Inductor's post-grad graph (no real inputs)."""
         t0 = time.perf_counter()
-        graph_name = f"graph_{DepPassManager._graphs}"
+        graph_name = f"{'postgrad_' if postgrad else ''}graph_{DepPassManager._graphs}"
         DepPassManager._graphs += 1
         if self.options.dump_dir:
             dump.write_before(self.options.dump_dir, graph_name, gm)
-        ctx = PassContext(gm, example_inputs, self.options)
+        ctx = PassContext(gm, example_inputs, self.options, postgrad=postgrad)
         rows: list[LayerMatch] = []
         for p in self.passes:
             for found in p.find(gm.graph):
@@ -81,12 +84,42 @@ class DepPassManager:
                 log.warning("kimi_dep: %s %s left stock: %s", m.kind, m.module, m.reason)
         return RewriteResult(report, ctx.finalizers)
 
-    def uuid(self) -> str:
-        """Stable over processes: a hash of every pass file's source and of the options."""
+    def uuid(self, *extra_files: Path) -> str:
+        """Stable over processes: a hash of every pass file's source (and ``extra_files``) and of the options."""
         h = hashlib.sha256()
         here = Path(__file__).parent
-        for f in sorted(here.glob("*.py")):
+        for f in [*sorted(here.glob("*.py")), *extra_files]:
             h.update(f.name.encode())
             h.update(f.read_bytes())
         h.update(self.options.fingerprint().encode())
         return h.hexdigest()
+
+
+class DepPostGradPass(CustomGraphPass):
+    """The passes as an Inductor ``post_grad_custom_post_pass`` (hook (b) of design.md §5, post-grad).
+
+    Install with ``torch._inductor.config.post_grad_custom_post_pass = DepPostGradPass(options)``
+    and compile with plain Inductor. It holds only the options dict, so it pickles and deep-copies;
+    ``uuid()`` covers the pass files and the options, so Inductor's FX cache never serves a graph
+    rewritten by other code. On a cache hit the pass does not run: the kimi_dep ops then look up
+    prepared layers this process never registered, so compile such graphs with a fresh cache.
+    """
+
+    def __init__(self, options: dict | None = None):
+        self.options = dict(options or {})
+        DepOptions.from_dict(self.options)  # reject unknown options at construction
+
+    def manager(self) -> DepPassManager:
+        return DepPassManager(DepOptions.from_dict(self.options))
+
+    def __call__(self, graph: fx.Graph) -> None:
+        gm = graph.owning_module
+        if gm is None:  # a bare Graph: wrap it so the passes can recompile and dump
+            gm = fx.GraphModule(torch.nn.Module(), graph)
+        self.manager().run(gm, None, postgrad=True)
+
+    def uuid(self) -> str:
+        return self.manager().uuid()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.options!r})"

@@ -13,9 +13,10 @@ from dep_compile.ops.projection import DepProjection
 from dep_compile.ops.registry import register
 
 from .base import Found, LayerPass, PassContext, check_bf16
-from .fx_match import (NoMatch, as_linear, getitem_of, is_call, match_rms_norm, op_args, require, single_user,
-                       strip_casts, uncast, val)
+from .fx_match import (NoMatch, as_linear, getitem_of, is_call, is_cast, match_rms_norm, op_args, require,
+                       single_user, split_sizes, strip_casts, transposed, uncast, val)
 
+aten = torch.ops.aten
 EXPERTS = torch.ops.kimi_k3.routed_experts
 MOE = torch.ops.kimi_dep.moe
 K3_TOP_K = 16
@@ -39,16 +40,21 @@ def match_router(ids_node, weights_node, top_k_expected: int):
     """
     gi_node = strip_casts(ids_node)
     gi = getitem_of(gi_node)
-    require(gi is not None and gi[1] == 1 and is_call(gi[0], torch.topk, "topk"), "topk_ids are not topk(...).indices", ids_node)
+    require(gi is not None and gi[1] == 1 and is_call(gi[0], torch.topk, "topk", aten.topk),
+            "topk_ids are not topk(...).indices", ids_node)
     topk = gi[0]
     keyed = topk.args[0]
     k = topk.args[1] if len(topk.args) > 1 else topk.kwargs.get("k")
-    require(is_call(keyed, operator.add, torch.add), "expert selection is not scores + correction bias "
+    if is_call(topk, aten.topk):  # post-grad: topk(x, k, dim=-1, largest=True, sorted=True), all positional
+        dim, largest = (list(topk.args[2:4]) + [-1, True][len(topk.args[2:4]):])
+        require(dim in (-1, val(keyed).dim() - 1) and largest is True, "topk is not the largest over the experts", topk)
+    require(is_call(keyed, operator.add, torch.add, aten.add) and len(keyed.args) == 2
+            and keyed.kwargs.get("alpha", 1) == 1, "expert selection is not scores + correction bias "
             "(grouped top-k, n_group > 1, or no bias)", keyed)
     scores, bias = keyed.args
-    if is_call(scores, torch.softmax, F.softmax, "softmax"):
+    if is_call(scores, torch.softmax, F.softmax, "softmax", aten._softmax, aten.softmax):
         raise NoMatch("router scoring is softmax, not sigmoid", scores)
-    require(is_call(scores, torch.sigmoid, "sigmoid"), "router scores are not sigmoid(logits)", scores)
+    require(is_call(scores, torch.sigmoid, "sigmoid", aten.sigmoid), "router scores are not sigmoid(logits)", scores)
     lin = as_linear(scores.args[0])
     require(lin is not None and lin[2] is None, "router logits are not a linear of the hidden state", scores)
     x, gate_w = uncast(lin[0]), uncast(lin[1])
@@ -56,13 +62,19 @@ def match_router(ids_node, weights_node, top_k_expected: int):
     require(k == top_k_expected, f"top-k is {k}, expected {top_k_expected} (options moe_top_k)", topk)
     # weights: ((gather(scores, 1, ids) / sum) * scale)
     mul = strip_casts(weights_node)
-    require(is_call(mul, operator.mul, torch.mul), "topk_weights are not scaled by routed_scaling_factor", weights_node)
+    require(is_call(mul, operator.mul, torch.mul, aten.mul), "topk_weights are not scaled by routed_scaling_factor", weights_node)
     div = mul.args[0] if isinstance(mul.args[0], torch.fx.Node) else mul.args[1]
     scale = _const(mul, div)
-    require(scale is not None and is_call(div, operator.truediv, torch.div), "topk_weights are not renormalized", mul)
+    require(scale is not None and is_call(div, operator.truediv, torch.div, aten.div) and not div.kwargs,
+            "topk_weights are not renormalized", mul)
     gather, total = div.args
-    require(is_call(gather, "gather", torch.gather) and gather.args[0] is scores, "topk_weights are not the selected scores", div)
-    require(is_call(total, "sum", torch.sum) and total.args[0] is gather, "renormalization is not by the sum", total)
+    require(is_call(gather, "gather", torch.gather, aten.gather) and gather.args[0] is scores
+            and strip_casts(gather.args[2] if len(gather.args) > 2 else gather.kwargs.get("index")) is gi_node,
+            "topk_weights are not the selected scores", div)
+    require(is_call(total, "sum", torch.sum, aten.sum) and total.args[0] is gather, "renormalization is not by the sum", total)
+    if is_call(total, aten.sum):
+        require(list(total.args[1]) in ([-1], [val(gather).dim() - 1]) and (total.args[2:3] or [False])[0] is True,
+                "renormalization is not a keepdim sum over the selected experts", total)
     region = {topk, gi_node, keyed, scores, scores.args[0], mul, div, gather, total}
     region |= {n for n in (ids_node, weights_node) if n.op in ("call_function", "call_method")}
     return x, gate_w, bias, k, scale, region
@@ -72,6 +84,9 @@ def match_situ(out, beta, beta_lin):
     """Check that ``out`` is SiTU(gate_up) with the experts' betas; return (gate_up, region)."""
     region, stack, gate_up = set(), [out], None
     allowed = {"float", "to", "chunk", torch.tanh, torch.sigmoid, operator.truediv, operator.mul, operator.getitem}
+    # post-grad spellings: casts, chunk(2) as an equal split, elementwise ops
+    post = (torch.ops.prims.convert_element_type.default, aten.tanh.default, aten.sigmoid.default, aten.div.Tensor,
+            aten.mul.Tensor)
     consts = set()
     while stack:
         n = stack.pop()
@@ -82,7 +97,12 @@ def match_situ(out, beta, beta_lin):
             require(gate_up is not None, "SiTU reads two projections", out)
             continue
         target = n.target
-        require(n.op in ("call_function", "call_method") and target in allowed, f"unexpected op {target} inside SiTU", n)
+        if is_call(n, aten.split):
+            sp = split_sizes(n)
+            require(sp is not None and len(sp[1]) == 2 and sp[1][0] == sp[1][1], "SiTU's gate|up split is not two halves", n)
+        else:
+            require(n.op in ("call_function", "call_method") and (target in allowed or target in post),
+                    f"unexpected op {target} inside SiTU", n)
         region.add(n)
         for a in n.args:
             if isinstance(a, torch.fx.Node):
@@ -92,6 +112,16 @@ def match_situ(out, beta, beta_lin):
     require(gate_up is not None, "shared expert has no gate_up projection", out)
     require({beta, beta_lin} <= consts, f"SiTU constants {sorted(consts)} lack beta={beta}, beta_lin={beta_lin}", out)
     return gate_up, region
+
+
+def _decomposed_norm_output(xf):
+    """Post-grad RMSNorm from its FP32 input cast ``xf``: mul(xf, rsqrt) -> mul(., w) -> cast; the cast, or None."""
+    muls = [u for u in xf.users if is_call(u, aten.mul) and any(is_call(a, aten.rsqrt) for a in u.args)]
+    if len(muls) != 1:
+        return None
+    scaled = single_user(muls[0])
+    out = single_user(scaled) if scaled is not None else None
+    return out if is_cast(out) else None
 
 
 class MoePass(LayerPass):
@@ -114,18 +144,35 @@ class MoePass(LayerPass):
         # routed -> RMSNorm -> up-proj -> + shared
         n_user = single_user(R)
         require(n_user is not None, "experts' output has several users", R)
-        normed = single_user(single_user(n_user)) if is_call(n_user, "float") else None
+        norm_nodes: set = set()
+        if is_call(n_user, "float"):
+            normed = single_user(single_user(n_user))
+        elif is_cast(n_user, torch.float32):  # post-grad: the decomposed norm's output cast, past pow/mean/rsqrt/mul
+            normed = _decomposed_norm_output(n_user)
+        else:
+            normed = None
         require(normed is not None, "no latent RMSNorm after the experts", R)
-        r_in, norm_w, norm_eps = match_rms_norm(normed)
+        r_in, norm_w, norm_eps = match_rms_norm(normed, into=norm_nodes)
         require(r_in is R, "latent RMSNorm does not read the experts' output", normed)
         up = single_user(normed)
         up_lin = as_linear(up)
-        require(up_lin is not None and up_lin[0] is normed and up_lin[2] is None, "no up-projection after the latent norm", normed)
-        add = single_user(up)
-        require(add is not None and is_call(add, operator.add, torch.add), "no shared expert: up-projection is not added to one", up)
-        shared_out = add.args[1] if add.args[0] is up else add.args[0]
-        sd = as_linear(shared_out)
-        require(sd is not None and sd[2] is None, "the add's other operand is not a shared expert's down_proj", add)
+        require(up_lin is not None and up_lin[0] is normed, "no up-projection after the latent norm", normed)
+        if up_lin[2] is not None:  # post-grad: Inductor folded "+ shared" into addmm(shared, normed, up_w^T)
+            add, shared_out, sd = up, up_lin[2], as_linear(up_lin[2])
+            require(sd is not None and sd[2] is None, "the up-projection's bias is not a shared expert's down_proj", up)
+        else:
+            add = single_user(up)
+            require(add is not None, "no shared expert: up-projection is not added to one", up)
+            if is_call(add, aten.addmm) and add.args[0] is up:  # post-grad: addmm(up, situ, down_w^T)
+                w = transposed(add.args[2]) if as_linear(add) is not None else None
+                require(w is not None, "the add's other operand is not a shared expert's down_proj", add)
+                shared_out, sd = add, (add.args[1], w, None)
+            else:
+                require(is_call(add, operator.add, torch.add, aten.add) and add.kwargs.get("alpha", 1) == 1,
+                        "no shared expert: up-projection is not added to one", up)
+                shared_out = add.args[1] if add.args[0] is up else add.args[0]
+                sd = as_linear(shared_out)
+                require(sd is not None and sd[2] is None, "the add's other operand is not a shared expert's down_proj", add)
         gate_up, situ_region = match_situ(sd[0], float(a["beta"]), float(a["beta_lin"]))
         gu = as_linear(gate_up)
         require(gu[0] is x and gu[2] is None, "shared expert reads another input than the router", gate_up)
@@ -134,12 +181,14 @@ class MoePass(LayerPass):
         shared_inter = ctx.param(sd_w, "shared down_proj").shape[1]
         ep_size = int(a["ep_size"])
         E, E_local = ctx.param(gate_w, "router weight").shape[0], val(a["w13"]).shape[0]
-        require(E == E_local * ep_size, f"{E} experts != {E_local} local x EP size {ep_size}", R)
+        # ep_size 1 with fewer local experts: one rank's share run alone (benchmarks), no dispatch
+        require(E == E_local * ep_size or (ep_size == 1 and E % E_local == 0),
+                f"{E} experts != {E_local} local x EP size {ep_size}", R)
         require(ctx.param(gu_w, "shared gate_up").shape[0] == 2 * shared_inter, "shared gate_up is not 2x down's width", gu_w)
         latent = ctx.param(down_w, "latent down-proj").shape[0]
         for w, what in ((gate_w, "router weight"), (up_lin[1], "up-proj"), (bias, "correction bias")):
             ctx.param(w, what)
-        region |= {a["x"], R, normed, up, add, shared_out, gate_up} | situ_region
+        region |= {a["x"], R, normed, up, add, shared_out, gate_up} | situ_region | norm_nodes
 
         prepared = EpMoeLayer(
             shared_inter=shared_inter, latent=latent, top_k=top_k, scale=scale, beta=float(a["beta"]),

@@ -1,0 +1,116 @@
+"""vLLM integration: the dep_compile passes as a vLLM ``InductorPass`` at ``post_grad_custom_post_pass``.
+
+This is the only module of the package that imports vllm (it requires it). vLLM resolves a pass
+named in ``--compilation-config`` with ``__import__(module).__dict__[name]``, i.e. from a
+*top-level* module's namespace, so the ready instance lives in the tiny top-level module
+``dep_compile_vllm`` (``dep_compile_vllm.kimi_dep_pass``), which imports this one; ``import
+dep_compile`` never imports vllm.
+
+What the pass sees there: Inductor's post-grad graph (aten, functionalized, no real tensors).
+Linears are ``mm(x, permute(w))``/``addmm``, norms are decomposed, the kimi_k3 mutating ops are
+wrapped in ``auto_functionalized_v2``; ``dep_compile.passes`` match both that form and the
+Dynamo form. Weight packing cannot be done there (no tensors): call :func:`pack_model_weights`
+on the model before compiling it, or the kimi_dep ops concatenate their weight blocks per call.
+
+Caveat: the kimi_dep ops find their prepared layers in a process-local registry filled when the
+pass runs. A graph served from Inductor's or vLLM's compile cache skips the pass, so the
+registry is empty and the first call raises a KeyError naming the layer; compile with the cache
+disabled (``VLLM_DISABLE_COMPILE_CACHE=1``) until the registry can rebuild itself.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import fx, nn
+from vllm.compilation.passes.inductor_pass import InductorPass
+
+from dep_compile.config import DepOptions
+from dep_compile.ops.packing import pack_params
+from dep_compile.passes.manager import DepPassManager, DepPostGradPass
+
+PASS_NAME = "dep_compile_vllm.kimi_dep_pass"  # the qualified name vLLM's config resolves
+
+
+class KimiDepInductorPass(InductorPass):
+    """The kimi_dep rewrite (DSA, KDA, MoE; MLA stays stock) as a vLLM post-grad pass.
+
+    Holds only the options dict (``torch.compile(..., backend="kimi_dep", options=...)``'s
+    options; ``inductor``/``inductor_config`` have no effect here), so it deep-copies and
+    pickles to workers. ``uuid()`` hashes the pass files, this file and the options: stable
+    across processes, different when either changes.
+    """
+
+    def __init__(self, options: dict[str, Any] | None = None):
+        self.options = dict(options or {})
+        DepOptions.from_dict(self.options)  # unknown options raise here, not in a worker
+
+    def __call__(self, graph: fx.Graph) -> None:
+        DepPostGradPass(self.options)(graph)
+
+    def uuid(self) -> str:
+        return DepPassManager(DepOptions.from_dict(self.options)).uuid(Path(__file__))
+
+    def __repr__(self) -> str:
+        return f"KimiDepInductorPass({self.options!r})"
+
+
+def compilation_config(options: dict[str, Any] | None = None, splitting_ops: list[str] | None = None) -> dict:
+    """The ``CompilationConfig`` fragment that installs the pass (JSON-safe when ``options`` is None).
+
+    - ``inductor_passes.post_grad_custom_post_pass = "dep_compile_vllm.kimi_dep_pass"``: vLLM
+      resolves the name and adds the pass to its PostGradPassManager. ``inductor_passes`` is
+      typed ``dict[str, str]``, so a pass with non-default ``options`` cannot go there: it is
+      placed in ``inductor_compile_config`` instead (Python only; vLLM checks it is an InductorPass).
+    - ``inductor_compile_config.enable_auto_functionalized_v2 = True``: vLLM turns v2 off by
+      default; under v1 the kimi_k3 mutating ops are wrapped in ``auto_functionalized`` v1, which
+      the pass reports as a near miss and leaves stock (and v1 clones a view-of-pool cache whole).
+    - ``use_inductor_graph_partition = True``: vLLM then partitions at Inductor codegen time,
+      after the passes ran, so the post-grad pass sees whole layers (off, vLLM splits the Dynamo
+      graph at ``splitting_ops`` before Inductor and no attention subgraph reaches the pass whole).
+      ``splitting_ops`` then only names the ops kept out of CUDA graphs: None keeps vLLM's default
+      (its attention ops), ``[]`` asks for full CUDA graphs.
+    """
+    cfg: dict[str, Any] = {
+        "use_inductor_graph_partition": True,
+        "inductor_compile_config": {"enable_auto_functionalized_v2": True},
+    }
+    if options is None:
+        cfg["inductor_passes"] = {"post_grad_custom_post_pass": PASS_NAME}
+    else:
+        cfg["inductor_compile_config"]["post_grad_custom_post_pass"] = KimiDepInductorPass(options)
+    if splitting_ops is not None:
+        cfg["splitting_ops"] = list(splitting_ops)
+    return cfg
+
+
+def pack_model_weights(model: nn.Module) -> list[str]:
+    """Pack a stock (vLLM-named) K3/K3.1 model's row-stacked weights once, before compiling.
+
+    DSA: ``[fused_qkv_a_g_proj | indexer.wk | indexer.weights_proj]`` (or ``[fused |
+    indexer.wk_weights_proj]``); MoE: ``[shared_experts.gate_up_proj | routed_expert_down_proj]``.
+    Each group's params become adjacent row views of one tensor (``pack_params``), which is what
+    the kimi_dep ops read as one matrix without copying. Returns the packed modules' names.
+    Do it before ``torch.compile`` (design.md §5: never between tracing and compile_fx).
+    """
+    packed = []
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            groups = []
+            if hasattr(m, "fused_qkv_a_g_proj") and hasattr(m, "indexer"):
+                idx = m.indexer
+                rest = [idx.wk_weights_proj.weight] if hasattr(idx, "wk_weights_proj") else [idx.wk.weight,
+                                                                                           idx.weights_proj.weight]
+                groups.append([m.fused_qkv_a_g_proj.weight, *rest])
+            if hasattr(m, "routed_expert_down_proj") and getattr(m, "shared_experts", None) is not None:
+                groups.append([m.shared_experts.gate_up_proj.weight, m.routed_expert_down_proj.weight])
+            for g in groups:
+                if all(p.dim() == 2 and p.shape[1] == g[0].shape[1] and p.dtype == g[0].dtype for p in g):
+                    pack_params(g)
+                    packed.append(name)
+    return packed
+
+
+__all__ = ["KimiDepInductorPass", "compilation_config", "pack_model_weights", "PASS_NAME"]
