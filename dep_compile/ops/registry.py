@@ -1,23 +1,66 @@
 """Prepared-layer registry: the ``layer`` string a kimi_dep op carries names its prepared object.
 
 Like vLLM's per-layer attention names, this keeps the graph readable (tensors are op inputs,
-sizes and tactics live on the prepared object) without burning shapes into the schema.
+sizes and tactics live on the prepared object) without burning shapes into the schema. The
+string is ``<module path>#<JSON of the prepared object>``, so a process that loads compiled
+code from a cache (where no pass ran to register anything) rebuilds the object from the string.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from typing import Any
+
+from ..tactics import SplitK
 
 _PREPARED: dict[str, Any] = {}
 
 
-def register(key: str, prepared: Any) -> str:
+def _classes() -> dict[str, type]:
+    from .dsa import PreparedDsa
+    from .kda import PreparedKda
+    from .moe import EpMoeLayer
+    from .projection import DepProjection
+
+    return {c.__name__: c for c in (PreparedDsa, PreparedKda, EpMoeLayer, DepProjection)}
+
+
+def _encode(obj: Any) -> Any:
+    if isinstance(obj, SplitK):
+        return {"SplitK": dataclasses.asdict(obj)}
+    if dataclasses.is_dataclass(obj):
+        return {type(obj).__name__: {f.name: _encode(getattr(obj, f.name)) for f in dataclasses.fields(obj)}}
+    if isinstance(obj, dict):  # tactic tables: {max rows: SplitK or "cublas"}
+        return {"table": [[k, _encode(v)] for k, v in obj.items()]}
+    return obj
+
+
+def _decode(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        (name, body), = obj.items()
+        if name == "SplitK":
+            return SplitK(**body)
+        if name == "table":
+            return {int(k): _decode(v) for k, v in body}
+        return _classes()[name](**{k: _decode(v) for k, v in body.items()})
+    return obj
+
+
+def register(module: str, prepared: Any) -> str:
+    """Register ``prepared`` for the layer at ``module``; returns the op's ``layer`` string."""
+    key = f"{module}#{json.dumps(_encode(prepared), sort_keys=True, separators=(',', ':'))}"
     _PREPARED[key] = prepared
     return key
 
 
 def lookup(key: str) -> Any:
-    try:
-        return _PREPARED[key]
-    except KeyError:
-        raise KeyError(f"kimi_dep: no prepared layer {key!r}; was the graph compiled in this process?") from None
+    """The prepared object of an op's ``layer`` string (rebuilt from it on first use in a process)."""
+    prepared = _PREPARED.get(key)
+    if prepared is None:
+        try:
+            prepared = _PREPARED[key] = _decode(json.loads(key.split("#", 1)[1]))
+        except (IndexError, KeyError, TypeError, ValueError) as e:
+            raise KeyError(f"kimi_dep: cannot rebuild the prepared layer from {key[:120]!r}: {e}") from None
+    return prepared
+
