@@ -31,6 +31,8 @@ def kimi_dep(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, options
         rewrite.finalize()
         return gm.forward
     patches = {**(list_mode_options(mode) if mode else {}), **opts.inductor_config}
+    if opts.dump_dir:  # a dump wants a fresh compile of everything downstream, not a cache hit
+        patches.setdefault("force_disable_caches", True)
     compiled = compile_fx(gm, example_inputs, config_patches=patches or None)
     rewrite.finalize()  # zero-copy weight packing: swap param.data only after compile_fx returns
     return compiled

@@ -60,7 +60,9 @@ class DepPassManager:
             dump.write_before(self.options.dump_dir, graph_name, gm)
         ctx = PassContext(gm, example_inputs, self.options, postgrad=postgrad)
         rows: list[LayerMatch] = []
-        for p in self.passes:
+        for i, p in enumerate(self.passes, 1):
+            if i > 1 and self.options.dump_dir:
+                dump.write_stage(self.options.dump_dir, graph_name, i - 1, self.passes[i - 2].kind, gm)
             for found in p.find(gm.graph):
                 if p.kind != "mla" and p.kind not in self.options.kinds:
                     rows.append(LayerMatch(found.layer, found.module, p.kind, False,

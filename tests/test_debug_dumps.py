@@ -22,6 +22,11 @@ def test_explain_cli_prints_table_and_writes_dumps(tmp_path, capsys):
     after = (tmp_path / f"{g}.1_after_passes.py").read_text()
     assert "kimi_k3.kda_core" in before and "kimi_dep.kda_attention" not in before
     assert "kimi_dep.kda_attention" in after and "kimi_k3.kda_core" not in after
+    # per pass: after the DSA pass the KDA cores are still there, after the KDA pass they are gone
+    after_dsa = (tmp_path / f"{g}.0.1_after_dsa_pass.py").read_text()
+    after_kda = (tmp_path / f"{g}.0.2_after_kda_pass.py").read_text()
+    assert "kimi_dep.dsa_attention" in after_dsa and "kimi_k3.kda_core" in after_dsa
+    assert "kimi_k3.kda_core" not in after_kda and "kimi_k3.routed_experts" in after_kda
     report = json.loads((tmp_path / f"{g}.report.json").read_text())
     assert len(report["layers"]) == 15 and all(m["rewritten"] for m in report["layers"])
     assert "model.layers.3.self_attn" in (tmp_path / f"{g}.report.txt").read_text()

@@ -22,6 +22,11 @@ def write_before(dump_dir: str, graph: str, gm: fx.GraphModule) -> None:
     (d / f"{graph}.0_before_passes.py").write_text(graph_code(gm))
 
 
+def write_stage(dump_dir: str, graph: str, index: int, kind: str, gm: fx.GraphModule) -> None:
+    """The graph after one pass family (``graph_N.0.<i>_after_<kind>_pass.py``)."""
+    (Path(dump_dir) / f"{graph}.0.{index}_after_{kind}_pass.py").write_text(graph_code(gm))
+
+
 def write_after(dump_dir: str, report: MatchReport, gm: fx.GraphModule) -> None:
     """The rewritten graph, the report (JSON and text) and the near misses of one graph."""
     d = Path(dump_dir)
