@@ -28,6 +28,19 @@ class PreparedKda:
     def core(self, q, k, v, f_a, f_b_w, beta, g, conv_w, A_log, dt_bias, o_norm_w, conv_state, rec_state,
              state_indices, accepted, q_len: int) -> Tensor:
         """The KDA core with the F_B gate computed inside it: [T, H*D] BF16."""
+        if q.is_cuda:
+            # CUDA: the one-launch Triton decode core (conv, F_B gate, norms, delta rule, gated
+            # RMSNorm). Anything it does not support (q_len > 8, odd shapes or strides, no
+            # Triton) falls through to the reference below; the reason is shape-only, no sync.
+            try:
+                from .kda_triton import kda_decode_core, kda_decode_unsupported
+            except ImportError:  # pragma: no cover - CUDA without Triton
+                kda_decode_core = None
+            if kda_decode_core is not None and kda_decode_unsupported(
+                    q, k, v, f_a, f_b_w, beta, g, conv_w, A_log, dt_bias, o_norm_w, conv_state, rec_state,
+                    state_indices, accepted, q_len) is None:
+                return kda_decode_core(q, k, v, f_a, f_b_w, beta, g, conv_w, A_log, dt_bias, o_norm_w, conv_state,
+                                       rec_state, state_indices, accepted, q_len, self.lower_bound, self.norm_eps)
         g_raw = F.linear(f_a, f_b_w)  # f_a [T, F] -> raw decay gate [T, H*D], BF16 as stock's f_b_proj
         return kda_core_ref(q, k, v, g_raw, beta, g, conv_w, A_log, dt_bias, o_norm_w, conv_state, rec_state,
                             state_indices, accepted, q_len, self.lower_bound, self.norm_eps)

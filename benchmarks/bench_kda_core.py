@@ -1,0 +1,225 @@
+#!/usr/bin/env python3
+"""Op-level benchmark of the Triton KDA decode core (``dep_compile.ops.kda_triton``).
+
+Kimi K3 full size (H=96, D=128, F=128, conv width 4), decode (q_len = 1) at B in {1, 4, 16,
+64} requests. For every B it
+
+1. checks the kernel against ``kda_core_ref`` on the GPU (same inputs, cloned states):
+   output rel. Frobenius error, committed-state rel. error, conv state bit-equality;
+2. times each kernel variant (num_warps / maxnreg) with CUDA-graph replays
+   (``benchmarks/common.time_graph``), rotating over enough "layer copies" (states, conv
+   states, f_b_w, conv_w, inputs) that their total exceeds twice the L2, medians;
+3. if ``fla-core`` imports, times ``fla.ops.kda`` fused recurrent decode (in-kernel gate, L2
+   norm, beta sigmoid, state indices, FP32 state in place, V-first state layout) over the same
+   rotation. fla's kernel covers the recurrence only (no conv, no F_B GEMM, no gated norm).
+
+Reported: µs per launch, state traffic TB/s (state read + written: 2 x 6 MiB per request),
+all-bytes TB/s (state + f_b_w + conv state + inputs/outputs), the state floor at 4.33 TB/s.
+Writes ``kda_core.json`` to ``--out`` (default ``$OUT`` or ``.``).
+
+Run from the repository root on a CUDA machine::
+
+    python3 benchmarks/bench_kda_core.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from benchmarks import common  # noqa: E402
+
+H, D, FR, W = 96, 128, 128, 4
+HD = H * D
+LOWER_BOUND, NORM_EPS = -5.0, 1e-5
+BATCHES = (1, 4, 16, 64)
+VARIANTS = {  # name -> launcher kwargs
+    "w8": dict(num_warps=8),
+    "w16": dict(num_warps=16),
+    "w4": dict(num_warps=4),
+    "w8_r128": dict(num_warps=8, maxnreg=128),
+}
+
+
+def make_copy(B: int, seed: int, dev: str) -> dict:
+    """One layer's worth of random inputs / weights / states for a decode step of B requests."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    rn = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    T = B
+    packed = rn(T, 4 * HD + FR + H).to(torch.bfloat16).to(dev)
+    q, k, v, g_out, f_a, beta = packed.split([HD, HD, HD, HD, FR, H], -1)
+    S = B + 2
+    c = dict(
+        packed=packed, q=q, k=k, v=v, g_out=g_out, f_a=f_a, beta=beta,
+        f_b_w=(rn(HD, FR) * FR ** -0.5).to(torch.bfloat16).to(dev),
+        conv_w=(rn(3 * HD, W) * 0.5).to(torch.bfloat16).to(dev),
+        A_log=torch.log(torch.rand(H, generator=g) * 15 + 1).to(dev),
+        dt_bias=rn(HD).to(dev),
+        o_norm_w=(1 + 0.2 * rn(D)).to(torch.bfloat16).to(dev),
+        conv_state=rn(S, W - 1, 3 * HD).to(torch.bfloat16).to(dev),
+        rec_state=(rn(S, H, D, D) * 0.3).to(dev),
+        state_indices=torch.randperm(S, generator=g)[:B].to(torch.int32).to(dev),
+        accepted=torch.ones(B, dtype=torch.int32, device=dev),
+    )
+    c["out"] = torch.empty(T, HD, dtype=torch.bfloat16, device=dev)
+    # fla's inputs: contiguous [1, T, H, D] q/k/v/g, [1, T, H] beta (values need not match ours).
+    c["fla"] = dict(
+        q=rn(1, T, H, D).to(torch.bfloat16).to(dev), k=rn(1, T, H, D).to(torch.bfloat16).to(dev),
+        v=rn(1, T, H, D).to(torch.bfloat16).to(dev), g=rn(1, T, H, D).to(torch.bfloat16).to(dev),
+        beta=rn(1, T, H).to(torch.bfloat16).to(dev), out=torch.empty(1, T, H, D, dtype=torch.bfloat16, device=dev),
+        cu=torch.arange(T + 1, dtype=torch.int32, device=dev),
+    )
+    return c
+
+
+def copy_bytes(B: int) -> int:
+    S = B + 2
+    return S * H * D * D * 4 + S * (W - 1) * 3 * HD * 2 + HD * FR * 2 + 3 * HD * W * 2 + B * (4 * HD + FR + H) * 2
+
+
+def moved_bytes(B: int) -> tuple[int, int]:
+    """(state bytes read + written, all bytes that must move) for one decode step."""
+    state = 2 * B * H * D * D * 4
+    conv = 2 * B * (W - 1) * 3 * HD * 2
+    rest = HD * FR * 2 + 3 * HD * W * 2 + B * (4 * HD + FR + H) * 2 + B * HD * 2
+    return state, state + conv + rest
+
+
+def run_ours(kt, c, **kw):
+    return kt.kda_decode_core(c["q"], c["k"], c["v"], c["f_a"], c["f_b_w"], c["beta"], c["g_out"], c["conv_w"],
+                              c["A_log"], c["dt_bias"], c["o_norm_w"], c["conv_state"], c["rec_state"],
+                              c["state_indices"], c["accepted"], 1, LOWER_BOUND, NORM_EPS, out=c["out"], **kw)
+
+
+def check(kt, c, kw) -> dict:
+    from dep_compile.stock.reference.kda import kda_core_ref  # noqa: PLC0415
+
+    conv0, rec0 = c["conv_state"].clone(), c["rec_state"].clone()
+    c["out"].fill_(float("nan"))
+    out = run_ours(kt, c, **kw).clone()
+    conv_k, rec_k = c["conv_state"].clone(), c["rec_state"].clone()
+    c["conv_state"].copy_(conv0)
+    c["rec_state"].copy_(rec0)
+    g_raw = F.linear(c["f_a"], c["f_b_w"])
+    ref = kda_core_ref(c["q"], c["k"], c["v"], g_raw, c["beta"], c["g_out"], c["conv_w"], c["A_log"],
+                       c["dt_bias"], c["o_norm_w"], c["conv_state"], c["rec_state"], c["state_indices"],
+                       c["accepted"], 1, LOWER_BOUND, NORM_EPS)
+    torch.cuda.synchronize()
+    res = dict(
+        finite=bool(torch.isfinite(out.float()).all()),
+        out_rel=float((out.float() - ref.float()).norm() / ref.float().norm()),
+        out_max=float((out.float() - ref.float()).abs().max()),
+        state_rel=float((rec_k - c["rec_state"]).norm() / c["rec_state"].norm()),
+        conv_equal=bool(torch.equal(conv_k, c["conv_state"])),
+    )
+    res["ok"] = res["finite"] and res["out_rel"] < 1e-2 and res["state_rel"] < 1e-3 and res["conv_equal"]
+    return res
+
+
+def fla_step(fla_fwd, c):
+    f = c["fla"]
+    return fla_fwd(q=f["q"], k=f["k"], v=f["v"], g=f["g"], beta=f["beta"], A_log=c["A_log"], dt_bias=c["dt_bias"],
+                   initial_state=c["rec_state"], inplace_final_state=True, state_v_first=True,
+                   cu_seqlens=f["cu"], ssm_state_indices=c["state_indices"], use_qk_l2norm_in_kernel=True,
+                   use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=LOWER_BOUND,
+                   out=f["out"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--no-fla", action="store_true")
+    args = ap.parse_args()
+    from dep_compile.ops import kda_triton as kt  # noqa: PLC0415
+
+    fla_fwd, fla_err = None, None
+    if not args.no_fla:
+        try:
+            from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd as fla_fwd  # noqa: PLC0415
+        except Exception as e:  # noqa: BLE001
+            fla_err = repr(e)
+    print("env", common.env_info(), "fla:", "yes" if fla_fwd else fla_err, flush=True)
+    variants = {n: VARIANTS[n] for n in args.variants.split(",")}
+    results = []
+    for B in map(int, args.batches.split(",")):
+        n = common.rotation_copies(copy_bytes(B))
+        copies = [make_copy(B, 100 * B + i, "cuda") for i in range(n)]
+        state_b, all_b = moved_bytes(B)
+        row = dict(B=B, copies=n, state_bytes=state_b, all_bytes=all_b,
+                   floor_state_us=common.floor_us(state_b), floor_all_us=common.floor_us(all_b))
+        row["check"] = check(kt, copies[0], variants[next(iter(variants))])
+        print(f"B={B} copies={n} check={row['check']}", flush=True)
+        steps = common.steps_per_replay(max(3.0, B * 4.0), n)
+        for name, kw in variants.items():
+            try:
+                t = common.time_graph(lambda i, kw=kw: run_ours(kt, copies[i % n], **kw), steps)
+                row[name] = t
+                print(f"  {name:8s} {t['median_us']:8.2f} us  state {common.tbps(state_b, t['median_us']):.2f} TB/s"
+                      f"  all {common.tbps(all_b, t['median_us']):.2f} TB/s", flush=True)
+            except Exception as e:  # noqa: BLE001
+                row[name] = dict(error=repr(e))
+                print(f"  {name} failed: {e!r}", flush=True)
+        if fla_fwd is not None:
+            try:
+                t = common.time_graph(lambda i: fla_step(fla_fwd, copies[i % n]), steps)
+                row["fla"] = t
+                print(f"  fla      {t['median_us']:8.2f} us  state {common.tbps(state_b, t['median_us']):.2f} TB/s",
+                      flush=True)
+            except Exception as e:  # noqa: BLE001
+                row["fla"] = dict(error=repr(e))
+                print(f"  fla failed: {e!r}", flush=True)
+        # second timing of the first variant: the run-to-run spread
+        name0 = next(iter(variants))
+        try:
+            row[name0 + "_again"] = common.time_graph(lambda i: run_ours(kt, copies[i % n], **variants[name0]), steps)
+        except Exception as e:  # noqa: BLE001
+            row[name0 + "_again"] = dict(error=repr(e))
+        results.append(row)
+        del copies
+        torch.cuda.empty_cache()
+
+    names = list(variants) + ["fla"]
+    headers = ["B", "copies"] + [f"{v} µs" for v in names] + ["best µs", "state TB/s", "all TB/s",
+                                                              "state floor µs", "again µs", "check"]
+    rows = []
+    for r in results:
+        times = {v: r[v]["median_us"] for v in variants if "median_us" in r.get(v, {})}
+        best = min(times, key=times.get) if times else None
+        bt = times.get(best, float("nan"))
+        cells = [r["B"], r["copies"]]
+        for v in names:
+            t = r.get(v, {})
+            cells.append(f"{t['median_us']:.2f}" if "median_us" in t else "-")
+        again = r.get(name0 + "_again", {})
+        cells += [f"{bt:.2f} ({best})", f"{common.tbps(r['state_bytes'], bt):.2f}",
+                  f"{common.tbps(r['all_bytes'], bt):.2f}", f"{r['floor_state_us']:.2f}",
+                  f"{again['median_us']:.2f}" if "median_us" in again else "-",
+                  "ok" if r["check"]["ok"] else f"FAIL {r['check']}"]
+        rows.append(cells)
+    kernels = []
+    try:  # registers / spills of every compiled specialization (best effort: Triton internals)
+        for cache in kt._kda_decode_kernel.device_caches.values():
+            for key, ck in cache[0].items():
+                kernels.append(dict(key=str(key)[:200], n_regs=getattr(ck, "n_regs", None),
+                                    n_spills=getattr(ck, "n_spills", None), num_warps=ck.metadata.num_warps))
+                print("kernel", kernels[-1]["num_warps"], "warps: regs", kernels[-1]["n_regs"], "spills",
+                      kernels[-1]["n_spills"])
+    except Exception as e:  # noqa: BLE001
+        print("kernel info unavailable:", repr(e))
+    path = common.write_json(os.path.join(args.out, "kda_core.json"), {"results": results, "kernels": kernels})
+    print(common.format_table(headers, rows))
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()

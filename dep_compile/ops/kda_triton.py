@@ -1,0 +1,283 @@
+"""Triton KDA decode core (SM90): one launch per layer step.
+
+One program per (request, head) runs the whole KDA core of that head for all ``q_len`` tokens
+of the request, with the head's FP32 recurrent state ``[Dv, Dk]`` (128 x 128 = 64 KiB at full
+size) held in registers:
+
+1. depthwise causal conv (width ``W``) + SiLU over the head's q, k and v channels, reading the
+   ``W-1`` previous taps from the BF16 conv state and the new tokens from q / k / v; each conv
+   output is rounded to BF16 (as the reference's ``.to(x.dtype)``); the new conv state (the
+   ``W-1`` taps after ``accepted`` tokens) is written back in place at the end;
+2. the F_B gate: ``g_raw = f_a @ f_b_w[h*D:(h+1)*D]^T`` (FP32 accumulation, rounded to BF16
+   as the reference's ``F.linear``), then ``lower_bound * sigmoid(exp(A_log[h]) * (g_raw +
+   dt_bias))``;
+3. L2 norms of q and k (eps 1e-6; q times ``D^-1/2``), ``beta = sigmoid(beta logit)``;
+4. the delta rule in FP32: ``S <- S * exp(g)`` along k; ``S <- S + beta (v - S k) k^T``;
+   ``o = S q``; the state as of ``accepted`` tokens is stored once (a store predicated on
+   ``t + 1 == accepted``), later tokens only produce outputs;
+5. the gated RMSNorm of the head's whole ``o`` (eps ``norm_eps``), times ``o_norm_w``, times
+   ``sigmoid(g_out)``, stored as BF16.
+
+Rows of the delta rule are independent in ``v``; the gated RMSNorm is not (it needs the head's
+whole ``o``), which is why one program owns a whole head. Padding requests
+(``state_indices[b] < 0``) load and store no state and write zeros to their outputs.
+
+Tensors (one CUDA device; ``T = B * q_len``; ``H`` heads of ``D``; ``F`` = f_a width):
+
+==================  ==========================  =============================================
+name                shape / dtype               notes
+==================  ==========================  =============================================
+``q, k, v``         ``[T, H*D]`` bf16           before the conv; row stride free, unit inner
+``g_out``           ``[T, H*D]`` bf16           output gate logits; row stride free
+``f_a``             ``[T, F]`` bf16             row stride free
+``f_b_w``           ``[H*D, F]`` bf16           row stride free
+``beta``            ``[T, H]`` bf16/fp32        logits; row stride free
+``conv_w``          ``[3*H*D, W]`` any float    any strides
+``A_log``           ``[H]`` fp32                contiguous
+``dt_bias``         ``[H*D]`` fp32              contiguous
+``o_norm_w``        ``[D]`` float               contiguous
+``conv_state``      ``[S, W-1, 3*H*D]`` bf16    mutated; slot / tap strides free, unit channel
+``rec_state``       ``[S, H, Dv=D, Dk=D]`` fp32 mutated; every stride free (the two inner
+                                                ones are compile-time constants)
+``state_indices``   ``[B]`` int32/int64         slot per request, -1 = padding
+``accepted``        ``[B]`` int32/int64         in 1..q_len: tokens whose state is committed
+returns             ``[T, H*D]`` bf16           freshly allocated (the only allocation)
+==================  ==========================  =============================================
+
+No host synchronisation and no allocation besides the output: CUDA-graph capturable.
+Supported: ``q_len <= MAX_Q_LEN`` (8), power-of-two ``D`` and ``F``, ``W <= 8``
+(:func:`kda_decode_unsupported` says why a call is not supported; callers fall back to the
+reference).
+
+The module imports Triton at import time: import it only where CUDA and Triton exist.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["kda_decode_core", "kda_decode_unsupported", "MAX_Q_LEN"]
+
+MAX_Q_LEN = 8
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _window(cs_base, stride_cs_w, x_base, stride_x, tok0, p0, ch, ok, W: tl.constexpr, WP: tl.constexpr,
+            NROWS: tl.constexpr):
+    """Rows ``p0 .. p0+NROWS-1`` of the conv window ``cat(conv_state[0:W-1], x[tok0:])`` for
+    channels ``ch``: a ``[WP, len(ch)]`` FP32 tile (rows >= NROWS are 0)."""
+    r = tl.arange(0, WP)
+    p = p0 + r
+    in_state = p < W - 1
+    live = (r < NROWS) & ((tl.zeros([WP], tl.int32) + ok.to(tl.int32)) != 0)  # tensor mask (interpreter)
+    s_ptr = cs_base + tl.minimum(p, W - 2).to(tl.int64)[:, None] * stride_cs_w + ch[None, :]
+    from_state = tl.load(s_ptr, mask=(live & in_state)[:, None], other=0.0)
+    xrow = tl.maximum(tok0 + p - (W - 1), 0).to(tl.int64)
+    from_x = tl.load(x_base + xrow[:, None] * stride_x + ch[None, :], mask=(live & (p >= W - 1))[:, None],
+                     other=0.0)
+    return tl.where(in_state[:, None], from_state.to(tl.float32), from_x.to(tl.float32))
+
+
+@triton.jit
+def _conv_silu(cs_base, stride_cs_w, x_base, stride_x, tok0, t, ch, ok, cw, W: tl.constexpr, WP: tl.constexpr):
+    """Conv + SiLU output of token ``t`` for channels ``ch``, rounded to BF16, as FP32 ``[len(ch)]``."""
+    win = _window(cs_base, stride_cs_w, x_base, stride_x, tok0, t, ch, ok, W, WP, W)
+    y = tl.sum(win * cw, axis=0)
+    y = y / (1.0 + tl.exp(-y))
+    return y.to(tl.bfloat16).to(tl.float32)
+
+
+@triton.jit
+def _kda_decode_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, fa_ptr, beta_ptr,
+    fbw_ptr, cw_ptr, alog_ptr, dtb_ptr, onw_ptr,
+    cs_ptr, st_ptr, idx_ptr, acc_ptr, out_ptr,
+    stride_q, stride_k, stride_v, stride_g, stride_fa, stride_beta,
+    stride_fbw, stride_cw_c, stride_cw_w,
+    stride_cs_s, stride_cs_w,
+    stride_st_s, stride_st_h,
+    stride_out,
+    lower_bound, norm_eps,
+    H: tl.constexpr, D: tl.constexpr, F: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
+    Q_LEN: tl.constexpr, ST_V: tl.constexpr, ST_K: tl.constexpr, FB: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = pid // H
+    h = pid % H
+    HD: tl.constexpr = H * D
+    offs = tl.arange(0, D)  # channel of the head: k index (state columns) or v index (rows)
+    offs_fb = tl.arange(0, FB)
+    offs_w = tl.arange(0, WP)
+
+    slot = tl.load(idx_ptr + b).to(tl.int64)
+    acc = tl.load(acc_ptr + b).to(tl.int32)
+    ok = slot >= 0
+    slot_c = tl.maximum(slot, 0)
+    # Per-element masks are built from tensors (Triton's interpreter rejects scalar & tensor masks).
+    ok_d = (tl.zeros([D], tl.int64) + slot) >= 0
+    commit_d = tl.zeros([D], tl.int32) + acc
+
+    # The recurrent state first: the one big load, in flight while the rest is computed.
+    st_ptrs = st_ptr + slot_c * stride_st_s + h * stride_st_h + offs[:, None] * ST_V + offs[None, :] * ST_K
+    st_mask = (offs[:, None] < D) & ok_d[None, :]
+    S = tl.load(st_ptrs, mask=st_mask, other=0.0)
+
+    # Per-head constants.
+    ch = h * D + offs
+    a = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
+    dtb = tl.load(dtb_ptr + ch).to(tl.float32)
+    onw = tl.load(onw_ptr + offs).to(tl.float32)
+    wmask = offs_w[:, None] < W
+    cw_q = tl.load(cw_ptr + ch[None, :] * stride_cw_c + offs_w[:, None] * stride_cw_w, mask=wmask, other=0.0)
+    cw_k = tl.load(cw_ptr + (HD + ch)[None, :] * stride_cw_c + offs_w[:, None] * stride_cw_w, mask=wmask, other=0.0)
+    cw_v = tl.load(cw_ptr + (2 * HD + ch)[None, :] * stride_cw_c + offs_w[:, None] * stride_cw_w, mask=wmask,
+                   other=0.0)
+    cw_q = cw_q.to(tl.float32)
+    cw_k = cw_k.to(tl.float32)
+    cw_v = cw_v.to(tl.float32)
+
+    cs_base = cs_ptr + slot_c * stride_cs_s
+    tok0 = b * Q_LEN
+    # The new conv taps (window rows accepted .. accepted+W-2), read before anything is written.
+    new_q = _window(cs_base, stride_cs_w, q_ptr, stride_q, tok0, acc, ch, ok, W, WP, W - 1)
+    new_k = _window(cs_base + HD, stride_cs_w, k_ptr, stride_k, tok0, acc, ch, ok, W, WP, W - 1)
+    new_v = _window(cs_base + 2 * HD, stride_cs_w, v_ptr, stride_v, tok0, acc, ch, ok, W, WP, W - 1)
+
+    for t in tl.static_range(Q_LEN):
+        tok = (tok0 + t).to(tl.int64)
+        qc = _conv_silu(cs_base, stride_cs_w, q_ptr, stride_q, tok0, t, ch, ok, cw_q, W, WP)
+        kc = _conv_silu(cs_base + HD, stride_cs_w, k_ptr, stride_k, tok0, t, ch, ok, cw_k, W, WP)
+        vc = _conv_silu(cs_base + 2 * HD, stride_cs_w, v_ptr, stride_v, tok0, t, ch, ok, cw_v, W, WP)
+        qn = qc * (tl.rsqrt(tl.sum(qc * qc, axis=0) + 1e-6) * (D ** -0.5))
+        kn = kc * tl.rsqrt(tl.sum(kc * kc, axis=0) + 1e-6)
+
+        # g_raw = f_a @ f_b_w_h^T in FP32, FB columns of f_b_w at a time (bounded registers).
+        g_acc = tl.zeros([D], dtype=tl.float32)
+        for f0 in tl.static_range(0, F, FB):
+            fa = tl.load(fa_ptr + tok * stride_fa + f0 + offs_fb).to(tl.float32)
+            fbw = tl.load(fbw_ptr + ch.to(tl.int64)[:, None] * stride_fbw + (f0 + offs_fb)[None, :])
+            g_acc += tl.sum(fbw.to(tl.float32) * fa[None, :], axis=1)
+        g_raw = g_acc.to(tl.bfloat16).to(tl.float32)
+        decay = tl.exp(lower_bound * _sigmoid(a * (g_raw + dtb)))
+        beta = _sigmoid(tl.load(beta_ptr + tok * stride_beta + h).to(tl.float32))
+
+        S = S * decay[None, :]
+        pred = tl.sum(S * kn[None, :], axis=1)
+        S = S + (beta * (vc - pred))[:, None] * kn[None, :]
+        o = tl.sum(S * qn[None, :], axis=1)
+        # Commit the state as of `accepted` tokens: exactly one token's store is live. The
+        # address is rebuilt from a fresh load of the slot (after a store, so not CSE'd with the
+        # first one) so that 64-bit pointers of the whole tile do not stay live in registers.
+        slot_s = tl.maximum(tl.load(idx_ptr + b).to(tl.int64), 0)
+        st_out = st_ptr + slot_s * stride_st_s + h * stride_st_h + offs[:, None] * ST_V + offs[None, :] * ST_K
+        tl.store(st_out, S, mask=st_mask & (commit_d == t + 1)[None, :])
+
+        gate = _sigmoid(tl.load(g_ptr + tok * stride_g + ch).to(tl.float32))
+        y = o * tl.rsqrt(tl.sum(o * o, axis=0) / D + norm_eps) * onw * gate
+        y = tl.where(ok_d, y, 0.0)
+        tl.store(out_ptr + tok * stride_out + ch, y.to(out_ptr.dtype.element_ty))
+
+    # Every conv-state read of this program is done before its taps are overwritten.
+    tl.debug_barrier()
+    cs_mask = (offs_w[:, None] < W - 1) & ok_d[None, :]
+    cs_rows = cs_base + offs_w.to(tl.int64)[:, None] * stride_cs_w + ch[None, :]
+    tl.store(cs_rows, new_q.to(cs_ptr.dtype.element_ty), mask=cs_mask)
+    tl.store(cs_rows + HD, new_k.to(cs_ptr.dtype.element_ty), mask=cs_mask)
+    tl.store(cs_rows + 2 * HD, new_v.to(cs_ptr.dtype.element_ty), mask=cs_mask)
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+def kda_decode_unsupported(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_bias, o_norm_w, conv_state,
+                           rec_state, state_indices, accepted, q_len: int) -> str | None:
+    """Why :func:`kda_decode_core` cannot run this call (None: it can). Shapes/strides only, no sync."""
+    if not q.is_cuda and not _INTERPRET:
+        return "not on CUDA"
+    if not 1 <= q_len <= MAX_Q_LEN:
+        return f"q_len {q_len} > {MAX_Q_LEN} (state would not stay in registers across tokens)"
+    T, HD = q.shape
+    H = beta.shape[-1]
+    if H == 0 or HD % H or T % q_len:
+        return "inconsistent shapes"
+    D = HD // H
+    F = f_a.shape[-1]
+    W = conv_w.shape[-1]
+    if not (_pow2(D) and _pow2(F)):
+        return f"head dim {D} / f rank {F} not powers of two"
+    if not 2 <= W <= 8:
+        return f"conv width {W} unsupported"
+    if tuple(rec_state.shape[1:]) != (H, D, D) or rec_state.dtype != torch.float32:
+        return "recurrent state not [S, H, D, D] fp32"
+    if tuple(conv_state.shape[1:]) != (W - 1, 3 * HD) or conv_state.stride(2) != 1:
+        return "conv state not [S, W-1, 3HD] with unit channel stride"
+    if tuple(f_b_w.shape) != (HD, F) or f_b_w.stride(1) != 1:
+        return "f_b_w not [HD, F] with unit inner stride"
+    for name, t in (("q", q), ("k", k), ("v", v), ("g_out", g_out)):
+        if tuple(t.shape) != (T, HD) or t.stride(1) != 1:
+            return f"{name} not [T, HD] with unit inner stride"
+    if f_a.shape[0] != T or f_a.stride(1) != 1 or beta.shape[0] != T or beta.stride(1) != 1:
+        return "f_a / beta not [T, .] with unit inner stride"
+    if not (A_log.is_contiguous() and dt_bias.is_contiguous() and o_norm_w.is_contiguous()):
+        return "A_log / dt_bias / o_norm_w not contiguous"
+    if state_indices.shape[0] * q_len != T or accepted.shape[0] * q_len != T:
+        return "state_indices / accepted not [B]"
+    if state_indices.stride(0) != 1 or accepted.stride(0) != 1:
+        return "state_indices / accepted not contiguous"
+    return None
+
+
+def kda_decode_core(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_bias, o_norm_w, conv_state, rec_state,
+                    state_indices, accepted, q_len: int, lower_bound: float, norm_eps: float, *,
+                    num_warps: int = 4, fb: int = 32, maxnreg: int | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """The KDA core of one decode / verify step in one launch; mutates ``conv_state`` and ``rec_state``.
+
+    Arguments in :class:`PreparedKda.core` order (shapes in the module docstring):
+    q, k, v [T, H*D] bf16; f_a [T, F] bf16; f_b_w [H*D, F] bf16; beta [T, H] logits;
+    g_out [T, H*D] bf16; conv_w [3*H*D, W]; A_log [H] fp32; dt_bias [H*D] fp32; o_norm_w [D];
+    conv_state [S, W-1, 3*H*D] bf16; rec_state [S, H, D, D] fp32 (value-major);
+    state_indices [B] (-1 = padding); accepted [B] in 1..q_len. Returns [T, H*D] bf16
+    (``out`` if given, else a new tensor; every element written).
+
+    Tuning: ``num_warps`` per program (4 measured 1.3-1.55x faster than 8 on the H200,
+    2026-11-30, docs/perf_kda.md; the head's 128 x 128 FP32 state is then 128 registers a thread), ``fb`` columns of ``f_b_w`` per step of the F_B mat-vec, ``maxnreg`` an optional
+    register cap (more programs per SM, at the price of spills).
+    """
+    T, HD = q.shape
+    H = beta.shape[-1]
+    D = HD // H
+    F = f_a.shape[-1]
+    W = conv_w.shape[-1]
+    B = T // q_len
+    if out is None:
+        out = torch.empty(T, HD, dtype=q.dtype, device=q.device)
+    if B == 0:
+        return out
+    _kda_decode_kernel[(B * H,)](
+        q, k, v, g_out, f_a, beta,
+        f_b_w, conv_w, A_log, dt_bias, o_norm_w,
+        conv_state, rec_state, state_indices, accepted, out,
+        q.stride(0), k.stride(0), v.stride(0), g_out.stride(0), f_a.stride(0), beta.stride(0),
+        f_b_w.stride(0), conv_w.stride(0), conv_w.stride(1),
+        conv_state.stride(0), conv_state.stride(1),
+        rec_state.stride(0), rec_state.stride(1),
+        out.stride(0),
+        float(lower_bound), float(norm_eps),
+        H=H, D=D, F=F, W=W, WP=triton.next_power_of_2(W), Q_LEN=int(q_len),
+        ST_V=rec_state.stride(2), ST_K=rec_state.stride(3), FB=min(F, fb),
+        num_warps=num_warps,
+        **({"maxnreg": int(maxnreg)} if maxnreg else {}),
+    )
+    return out

@@ -1,0 +1,270 @@
+"""GPU tests of the Triton KDA decode core (``dep_compile.ops.kda_triton``).
+
+Every case runs ``kda_decode_core`` into a NaN-poisoned output, on fresh random inputs (never
+zeros), with q/k/v/g/f_a/beta as column slices of one packed in_proj output (row stride
+4HD + F + H, as the rewritten layer passes them) and both states as strided views into a
+pooled tensor (a spare layer interleaved in every slot), and compares with the readable
+reference ``kda_core_ref`` run in FP32 on the CPU on copies of the same inputs.
+
+Sizes: full Kimi K3 (H=96, D=128, F=128) and a small one (H=4, D=32, F=32); B in {1, 4, 16};
+q_len in {1, 2, 4} with ``accepted < q_len`` for some requests; one padding request
+(state index -1) when B > 1.
+
+Tolerances (the kernel differs from the reference only in FP32 summation order, fast
+exp/rsqrt, and the BF16 roundings this can flip by one ulp: g_raw, the conv outputs, the
+output):
+
+* output: every element finite (written), padding rows exactly 0,
+  ``||out - ref||_F / ||ref||_F <= 1e-2`` and ``max |out - ref| <= 0.05`` (outputs are O(1);
+  one BF16 ulp at 4 is 0.03);
+* recurrent state (FP32): ``||S - S_ref||_F / ||S_ref||_F <= 1e-3`` per committed slot; every
+  slot not addressed by a live request (padding, unused slots, the interleaved spare layer)
+  bit-identical;
+* conv state (BF16): bit-identical everywhere (the committed taps are copies of BF16 inputs).
+
+Skipped cleanly without CUDA (CI). ``KDA_TRITON_TEST_DEVICE=cpu`` with ``TRITON_INTERPRET=1``
+runs the same checks in Triton's CPU interpreter (small size).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dep_compile.stock.reference.kda import kda_core_ref
+
+_DEV = os.environ.get("KDA_TRITON_TEST_DEVICE", "cuda")
+
+pytestmark = [] if _DEV == "cpu" else [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+OUT_REL, OUT_ABS, STATE_REL = 1e-2, 0.05, 1e-3
+LOWER_BOUND, NORM_EPS, W = -5.0, 1e-5, 4
+SIZES = {"full": (96, 128, 128), "small": (4, 32, 32)}
+
+
+def _interpreter_rne():
+    """Triton's CPU interpreter truncates FP32 -> BF16; the GPU (and torch) round to nearest even.
+    Make the interpreter round like the GPU so the CPU run checks the same numerics."""
+    import numpy as np  # noqa: PLC0415
+    import triton.language as tl  # noqa: PLC0415
+    from triton.runtime import interpreter  # noqa: PLC0415
+
+    if getattr(interpreter, "_kda_rne", False):
+        return
+    orig = interpreter._convert_float
+
+    def convert(x, src, dst, rounding_mode):
+        if src == tl.float32 and dst == tl.bfloat16:
+            t = torch.from_numpy(np.ascontiguousarray(x).view(np.float32).copy()).to(torch.bfloat16)
+            return t.view(torch.int16).numpy().view(np.uint16)
+        return orig(x, src, dst, rounding_mode)
+
+    interpreter._convert_float = convert
+    interpreter._kda_rne = True
+
+
+def _kt():
+    pytest.importorskip("triton")
+    if _DEV == "cpu":
+        _interpreter_rne()
+    from dep_compile.ops import kda_triton  # noqa: PLC0415 - CUDA-only module
+
+    return kda_triton
+
+
+def make_case(H, D, Fr, B, q_len, seed, device, padding=True, spare_slots=3):
+    """Random inputs of one step; states are views into pools with a spare layer per slot."""
+    g = torch.Generator().manual_seed(seed)
+    HD, T = H * D, B * q_len
+    S = B + spare_slots
+    rn = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    packed = rn(T, 4 * HD + Fr + H).to(torch.bfloat16)
+    packed[:, 4 * HD:4 * HD + Fr] *= 2.0  # f_a
+    q, k, v, g_out, f_a, beta = packed.split([HD, HD, HD, HD, Fr, H], -1)
+    f_b_w = (rn(HD, Fr) * Fr ** -0.5).to(torch.bfloat16)
+    conv_w = (rn(3 * HD, W) * 0.5).to(torch.bfloat16)
+    A_log = torch.log(torch.rand(H, generator=g) * 15 + 1)
+    dt_bias = rn(HD)
+    o_norm_w = (1 + 0.2 * rn(D)).to(torch.bfloat16)
+    conv_pool = rn(S, 2, W - 1, 3 * HD).to(torch.bfloat16)
+    rec_pool = rn(S, 2, H, D, D) * 0.3
+    slots = torch.randperm(S, generator=g)[:B].to(torch.int32)
+    if padding and B > 1:
+        slots[B // 2] = -1
+    acc = torch.randint(1, q_len + 1, (B,), generator=g, dtype=torch.int32)
+    if q_len > 1:
+        acc[0] = 1
+        acc[-1] = q_len
+    t = dict(packed=packed, q=q, k=k, v=v, g_out=g_out, f_a=f_a, beta=beta, f_b_w=f_b_w, conv_w=conv_w,
+             A_log=A_log, dt_bias=dt_bias, o_norm_w=o_norm_w, conv_pool=conv_pool, rec_pool=rec_pool,
+             state_indices=slots, accepted=acc)
+    if device != "cpu":
+        moved = {n: x.to(device) for n, x in t.items() if n in ("packed", "conv_pool", "rec_pool")}
+        HDs = [HD, HD, HD, HD, Fr, H]
+        qq, kk, vv, gg, ff, bb = moved["packed"].split(HDs, -1)
+        t2 = {n: x.to(device) for n, x in t.items()}
+        t2.update(moved, q=qq, k=kk, v=vv, g_out=gg, f_a=ff, beta=bb)
+        t = t2
+    t["conv_state"] = t["conv_pool"][:, 1]
+    t["rec_state"] = t["rec_pool"][:, 1]
+    return t
+
+
+def reference(c, q_len):
+    """kda_core_ref in FP32 on the CPU on copies; returns (out, conv_pool, rec_pool)."""
+    cp = {n: x.detach().cpu().clone() for n, x in c.items()}
+    conv_pool, rec_pool = cp["conv_pool"], cp["rec_pool"]
+    HD = cp["q"].shape[1]
+    Fr = cp["f_a"].shape[1]
+    H = cp["beta"].shape[1]
+    q, k, v, g_out, f_a, beta = cp["packed"].split([HD, HD, HD, HD, Fr, H], -1)
+    g_raw = F.linear(f_a, cp["f_b_w"])
+    out = kda_core_ref(q, k, v, g_raw, beta, g_out, cp["conv_w"], cp["A_log"], cp["dt_bias"], cp["o_norm_w"],
+                       conv_pool[:, 1], rec_pool[:, 1], cp["state_indices"], cp["accepted"], q_len,
+                       LOWER_BOUND, NORM_EPS)
+    return out, conv_pool, rec_pool
+
+
+def run_kernel(kt, c, q_len, **kw):
+    T, HD = c["q"].shape
+    out = torch.full((T, HD), float("nan"), dtype=torch.bfloat16, device=c["q"].device)
+    why = kt.kda_decode_unsupported(c["q"], c["k"], c["v"], c["f_a"], c["f_b_w"], c["beta"], c["g_out"],
+                                    c["conv_w"], c["A_log"], c["dt_bias"], c["o_norm_w"], c["conv_state"],
+                                    c["rec_state"], c["state_indices"], c["accepted"], q_len)
+    assert why is None, why
+    ret = kt.kda_decode_core(c["q"], c["k"], c["v"], c["f_a"], c["f_b_w"], c["beta"], c["g_out"], c["conv_w"],
+                             c["A_log"], c["dt_bias"], c["o_norm_w"], c["conv_state"], c["rec_state"],
+                             c["state_indices"], c["accepted"], q_len, LOWER_BOUND, NORM_EPS, out=out, **kw)
+    assert ret is out
+    return out
+
+
+def check(c, q_len, out, ref):
+    """Assert the tolerances of the module docstring; returns the measured errors."""
+    ref_out, ref_conv, ref_rec = ref
+    got = out.float().cpu()
+    assert torch.isfinite(got).all(), f"{int((~torch.isfinite(got)).sum())} outputs not written / not finite"
+    refo = ref_out.float()
+    rel = float((got - refo).norm() / refo.norm().clamp_min(1e-30))
+    mx = float((got - refo).abs().max())
+    slots = c["state_indices"].cpu()
+    B = slots.shape[0]
+    for b in range(B):
+        if slots[b] < 0:
+            assert (got[b * q_len:(b + 1) * q_len] == 0).all(), "padding rows must be 0"
+    assert rel <= OUT_REL and mx <= OUT_ABS, f"output rel {rel:.2e} max {mx:.2e}"
+    conv = c["conv_pool"].cpu()
+    assert torch.equal(conv, ref_conv), f"conv state differs in {int((conv != ref_conv).sum())} elements"
+    rec = c["rec_pool"].cpu()
+    live = set(int(s) for s in slots if s >= 0)
+    st_rel = 0.0
+    for s in range(rec.shape[0]):
+        if s in live:
+            a, r = rec[s, 1], ref_rec[s, 1]
+            e = float((a - r).norm() / r.norm())
+            st_rel = max(st_rel, e)
+            assert torch.equal(rec[s, 0], ref_rec[s, 0]), f"spare layer of slot {s} touched"
+        else:
+            assert torch.equal(rec[s], ref_rec[s]), f"slot {s} (not live) touched"
+    assert st_rel <= STATE_REL, f"state rel {st_rel:.2e}"
+    return {"out_rel": rel, "out_max": mx, "state_rel": st_rel}
+
+
+CASES = [(size, B, q) for size in ("full", "small") for B in (1, 4, 16) for q in (1, 2, 4)]
+if _DEV == "cpu":
+    CASES = [(size, B, q) for (size, B, q) in CASES if size == "small"]
+
+
+@pytest.mark.parametrize("size,B,q_len", CASES, ids=lambda x: str(x))
+def test_kda_decode_core_matches_reference(size, B, q_len):
+    kt = _kt()
+    H, D, Fr = SIZES[size]
+    for seed in (0, 1):
+        c = make_case(H, D, Fr, B, q_len, seed=1000 * B + 10 * q_len + seed + (0 if size == "full" else 7),
+                      device=_DEV)
+        ref = reference(c, q_len)
+        out = run_kernel(kt, c, q_len)
+        errs = check(c, q_len, out, ref)
+        print(size, B, q_len, seed, errs)
+
+
+@pytest.mark.parametrize("q_len", [1, 3, 8])
+def test_kda_decode_core_several_steps(q_len):
+    """Three consecutive steps on the same states (state and conv taps carried between steps)."""
+    kt = _kt()
+    H, D, Fr = SIZES["small"]
+    c = make_case(H, D, Fr, 5, q_len, seed=77 + q_len, device=_DEV)
+    ref_state = {n: x.detach().cpu().clone() for n, x in c.items()}
+    for step in range(3):
+        ref = reference({**ref_state, "packed": c["packed"].cpu()}, q_len)
+        out = run_kernel(kt, c, q_len)
+        check(c, q_len, out, ref)
+        ref_state["conv_pool"], ref_state["rec_pool"] = ref[1], ref[2]
+        c["packed"].copy_(torch.randn(c["packed"].shape).to(torch.bfloat16).to(c["packed"].device))
+
+
+@pytest.mark.skipif(_DEV == "cpu", reason="routing needs CUDA tensors")
+def test_prepared_kda_core_routes_to_kernel_and_falls_back():
+    """PreparedKda.core on CUDA: the Triton kernel for q_len <= 8, the reference beyond."""
+    kt = _kt()
+    from dep_compile.ops.kda import PreparedKda  # noqa: PLC0415
+
+    H, D, Fr = SIZES["small"]
+    prep = PreparedKda(heads=H, head_dim=D, f_rank=Fr, lower_bound=LOWER_BOUND, norm_eps=NORM_EPS,
+                       in_proj=None, o_proj=None)
+    for q_len in (2, 9):
+        c = make_case(H, D, Fr, 4, q_len, seed=5 + q_len, device=_DEV)
+        ref = reference(c, q_len)
+        out = prep.core(c["q"], c["k"], c["v"], c["f_a"], c["f_b_w"], c["beta"], c["g_out"], c["conv_w"],
+                        c["A_log"], c["dt_bias"], c["o_norm_w"], c["conv_state"], c["rec_state"],
+                        c["state_indices"], c["accepted"], q_len)
+        check(c, q_len, out, ref)
+    assert kt.kda_decode_unsupported(c["q"], c["k"], c["v"], c["f_a"], c["f_b_w"], c["beta"], c["g_out"],
+                                     c["conv_w"], c["A_log"], c["dt_bias"], c["o_norm_w"], c["conv_state"],
+                                     c["rec_state"], c["state_indices"], c["accepted"], 9) is not None
+
+
+@pytest.mark.skipif(_DEV == "cpu", reason="CUDA graphs")
+def test_kda_decode_core_graph_capture():
+    """Captured in a CUDA graph and replayed: same result as an eager launch on the same inputs."""
+    kt = _kt()
+    H, D, Fr = SIZES["full"]
+    c = make_case(H, D, Fr, 4, 2, seed=11, device=_DEV)
+    conv0, rec0 = c["conv_pool"].clone(), c["rec_pool"].clone()
+    eager = run_kernel(kt, c, 2)
+    conv1, rec1 = c["conv_pool"].clone(), c["rec_pool"].clone()
+    c["conv_pool"].copy_(conv0)
+    c["rec_pool"].copy_(rec0)
+    out = torch.empty_like(eager)
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(graph):
+            kt.kda_decode_core(c["q"], c["k"], c["v"], c["f_a"], c["f_b_w"], c["beta"], c["g_out"], c["conv_w"],
+                               c["A_log"], c["dt_bias"], c["o_norm_w"], c["conv_state"], c["rec_state"],
+                               c["state_indices"], c["accepted"], 2, LOWER_BOUND, NORM_EPS, out=out)
+    torch.cuda.current_stream().wait_stream(s)
+    c["conv_pool"].copy_(conv0)
+    c["rec_pool"].copy_(rec0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    assert torch.equal(c["conv_pool"], conv1) and torch.equal(c["rec_pool"], rec1)
+
+
+@pytest.mark.parametrize("num_warps", [4, 16])
+@pytest.mark.parametrize("size,B,q_len", [("full", 4, 1), ("full", 16, 2), ("small", 16, 4)], ids=str)
+def test_kda_decode_core_other_num_warps(size, B, q_len, num_warps):
+    """The tuning knob changes no numerics: 4 warps (the fastest measured) and 16 warps."""
+    kt = _kt()
+    H, D, Fr = SIZES[size]
+    c = make_case(H, D, Fr, B, q_len, seed=3 + B + q_len + num_warps, device=_DEV)
+    ref = reference(c, q_len)
+    check(c, q_len, run_kernel(kt, c, q_len, num_warps=num_warps), ref)
