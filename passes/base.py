@@ -315,6 +315,17 @@ def check_bf16(what: str, *nodes_or_tensors) -> None:
                 x if isinstance(x, Node) else None)
 
 
+def check_q_len(q_len: Any, max_q: int, node: Node) -> None:
+    """Tokens per request: a static int up to ``max_q`` (longer steps are prefill-shaped and stay
+    stock), or a dynamic SymInt (Dynamo makes ``q_len`` one once it changes between calls): then
+    the op serves every q, running its reference path for steps its kernels do not cover."""
+    if isinstance(q_len, Node):
+        require(isinstance(val(q_len), torch.SymInt), f"q_len is {q_len.name}, neither an int nor a SymInt", node)
+        return
+    require(isinstance(q_len, int), f"q_len is {q_len!r}, not an int", node)
+    require(q_len <= max_q, f"prefill-shaped step: q_len={q_len} > max_q={max_q}", node)
+
+
 def check_only_user(cache: Node, user: Node, what: str) -> None:
     """Mutation safety: the cache's only reader/writer in the graph is the op being replaced.
 
@@ -325,4 +336,5 @@ def check_only_user(cache: Node, user: Node, what: str) -> None:
     require(users == {user}, f"{what} has other users ({', '.join(u.name for u in cache.users)})", cache)
 
 
-__all__ = ["PassContext", "LayerPass", "Found", "NoMatch", "require", "check_bf16", "check_only_user", "strip_view"]
+__all__ = ["PassContext", "LayerPass", "Found", "NoMatch", "require", "check_bf16", "check_only_user", "check_q_len",
+           "strip_view"]

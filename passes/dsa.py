@@ -11,7 +11,7 @@ from dep_compile.ops.dsa import PreparedDsa
 from dep_compile.ops.projection import DepProjection
 from dep_compile.ops.registry import register
 
-from .base import Found, LayerPass, PassContext, check_bf16, check_only_user
+from .base import Found, LayerPass, PassContext, check_bf16, check_only_user, check_q_len
 from .fx_match import (as_linear, is_call, is_view, match_layer_norm, match_rms_norm, op_args, producer, require,
                        single_user, split_part, strip_casts, val)
 
@@ -125,8 +125,7 @@ class DsaPass(LayerPass):
         check_bf16("DSA activations/weights", x, fused_w, q_b_w, wq_b_w, o_w, a["kv_cache"])
         for n in (a["kv_cache"], ia["index_cache"], ia["index_scale"]):
             check_only_user(n, S if n is a["kv_cache"] else I, n.name)
-        require(isinstance(a["q_len"], int), "q_len is dynamic (Dynamo made it a SymInt after it changed); compile with dynamic=False so each q gets its own graph", S)
-        require(a["q_len"] <= ctx.options.max_q, f"prefill-shaped step: q_len={a['q_len']} > max_q={ctx.options.max_q}", S)
+        check_q_len(a["q_len"], ctx.options.max_q, S)
         for w, what in ((q_b_w, "q_b_proj"), (wq_b_w, "wq_b"), (o_w, "o_proj"), (a["kv_b_weight"], "kv_b_proj")):
             ctx.param(w, what)
 

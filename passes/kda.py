@@ -8,7 +8,7 @@ from dep_compile.ops.kda import PreparedKda
 from dep_compile.ops.projection import DepProjection
 from dep_compile.ops.registry import register
 
-from .base import Found, LayerPass, PassContext, check_bf16, check_only_user
+from .base import Found, LayerPass, PassContext, check_bf16, check_only_user, check_q_len
 from .fx_match import as_linear, op_args, require, single_user, split_part, val
 
 KDA_CORE = torch.ops.kimi_k3.kda_core
@@ -62,8 +62,7 @@ class KdaPass(LayerPass):
         check_only_user(a["conv_state"], core, "conv state")
         check_only_user(a["recurrent_state"], core, "recurrent state")
         q_len = a["q_len"]
-        require(isinstance(q_len, int), "q_len is dynamic (Dynamo made it a SymInt after it changed); compile with dynamic=False so each q gets its own graph", core)
-        require(q_len <= ctx.options.max_q, f"prefill-shaped step: q_len={q_len} > max_q={ctx.options.max_q}", core)
+        check_q_len(q_len, ctx.options.max_q, core)
         require(val(x).dim() == 2, "in_proj input is not [T, hidden]", x)
 
         opts = ctx.options
