@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch
@@ -17,6 +18,7 @@ from .fx_match import (NoMatch, as_linear, getitem_of, is_call, is_cast, match_r
                        single_user, split_sizes, strip_casts, transposed, uncast, val)
 
 aten = torch.ops.aten
+Node = torch.fx.Node
 EXPERTS = torch.ops.kimi_k3.routed_experts
 MOE = torch.ops.kimi_dep.moe
 K3_TOP_K = 16
@@ -124,6 +126,96 @@ def _decomposed_norm_output(xf):
     return out if is_cast(out) else None
 
 
+@dataclasses.dataclass
+class MoeMatch:
+    """A K3 MoE found by ``dep_moe_supported``: its input, weights, constants and matched region."""
+
+    x: Node
+    down_w: Node
+    gate_w: Node
+    bias: Node
+    norm_w: Node
+    up_w: Node
+    gu_w: Node
+    sd_w: Node
+    output: Node
+    args: dict
+    top_k: int
+    scale: float
+    norm_eps: float
+    shared_inter: int
+    latent: int
+    ep_size: int
+    region: set
+
+
+def dep_moe_supported(ctx: PassContext, R: Node) -> MoeMatch:
+    """Check that the MoE around experts call ``R`` is K3's kind; NoMatch names the failed condition.
+
+    K3's kind: a latent down-projection feeding the experts, a latent RMSNorm and up-projection
+    after them, a shared SiTU expert added to that, a one-group sigmoid router (correction bias
+    for selection only, renormalized, scaled) at top-k = ``options.moe_top_k``, BF16 weights,
+    and an expert count that the EP size divides.
+    """
+    opts = ctx.options
+    a = op_args(R, EXPERTS.default)
+    x_down = as_linear(a["x"])
+    require(x_down is not None and x_down[2] is None, "experts' input is not a latent down-projection", a["x"])
+    x, down_w, _ = x_down
+    rx, gate_w, bias, top_k, scale, region = match_router(a["topk_ids"], a["topk_weights"], opts.moe_top_k)
+    require(rx is x, "router and latent down-proj read different inputs", a["x"])
+    # routed -> RMSNorm -> up-proj -> + shared
+    n_user = single_user(R)
+    require(n_user is not None, "experts' output has several users", R)
+    norm_nodes: set = set()
+    if is_call(n_user, "float"):
+        normed = single_user(single_user(n_user))
+    elif is_cast(n_user, torch.float32):  # post-grad: the decomposed norm's output cast, past pow/mean/rsqrt/mul
+        normed = _decomposed_norm_output(n_user)
+    else:
+        normed = None
+    require(normed is not None, "no latent RMSNorm after the experts", R)
+    r_in, norm_w, norm_eps = match_rms_norm(normed, into=norm_nodes)
+    require(r_in is R, "latent RMSNorm does not read the experts' output", normed)
+    up = single_user(normed)
+    up_lin = as_linear(up)
+    require(up_lin is not None and up_lin[0] is normed, "no up-projection after the latent norm", normed)
+    if up_lin[2] is not None:  # post-grad: Inductor folded "+ shared" into addmm(shared, normed, up_w^T)
+        add, shared_out, sd = up, up_lin[2], as_linear(up_lin[2])
+        require(sd is not None and sd[2] is None, "the up-projection's bias is not a shared expert's down_proj", up)
+    else:
+        add = single_user(up)
+        require(add is not None, "no shared expert: up-projection is not added to one", up)
+        if is_call(add, aten.addmm) and add.args[0] is up:  # post-grad: addmm(up, situ, down_w^T)
+            w = transposed(add.args[2]) if as_linear(add) is not None else None
+            require(w is not None, "the add's other operand is not a shared expert's down_proj", add)
+            shared_out, sd = add, (add.args[1], w, None)
+        else:
+            require(is_call(add, operator.add, torch.add, aten.add) and add.kwargs.get("alpha", 1) == 1,
+                    "no shared expert: up-projection is not added to one", up)
+            shared_out = add.args[1] if add.args[0] is up else add.args[0]
+            sd = as_linear(shared_out)
+            require(sd is not None and sd[2] is None, "the add's other operand is not a shared expert's down_proj", add)
+    gate_up, situ_region = match_situ(sd[0], float(a["beta"]), float(a["beta_lin"]))
+    gu = as_linear(gate_up)
+    require(gu[0] is x and gu[2] is None, "shared expert reads another input than the router", gate_up)
+    gu_w, sd_w = gu[1], sd[1]
+    check_bf16("MoE activations/weights", x, down_w, gu_w, sd_w, up_lin[1], a["w13"], a["w2"])
+    shared_inter = ctx.param(sd_w, "shared down_proj").shape[1]
+    ep_size = int(a["ep_size"])
+    E, E_local = ctx.param(gate_w, "router weight").shape[0], val(a["w13"]).shape[0]
+    # ep_size 1 with fewer local experts: one rank's share run alone (benchmarks), no dispatch
+    require(E == E_local * ep_size or (ep_size == 1 and E % E_local == 0),
+            f"{E} experts != {E_local} local x EP size {ep_size}", R)
+    require(ctx.param(gu_w, "shared gate_up").shape[0] == 2 * shared_inter, "shared gate_up is not 2x down's width", gu_w)
+    latent = ctx.param(down_w, "latent down-proj").shape[0]
+    for w, what in ((gate_w, "router weight"), (up_lin[1], "up-proj"), (bias, "correction bias")):
+        ctx.param(w, what)
+    region |= {a["x"], R, normed, up, add, shared_out, gate_up} | situ_region | norm_nodes
+    return MoeMatch(x, down_w, gate_w, bias, norm_w, up_lin[1], gu_w, sd_w, add, a, top_k, scale, norm_eps,
+                    shared_inter, latent, ep_size, region)
+
+
 class MoePass(LayerPass):
     """Rewrites each K3 MoE (``dep_moe_supported``) into one ``kimi_dep.moe`` call."""
 
@@ -134,71 +226,17 @@ class MoePass(LayerPass):
 
     def rewrite(self, ctx: PassContext, found: Found):
         opts = ctx.options
-        R = found.anchor
-        a = op_args(R, EXPERTS.default)
-        x_down = as_linear(a["x"])
-        require(x_down is not None and x_down[2] is None, "experts' input is not a latent down-projection", a["x"])
-        x, down_w, _ = x_down
-        rx, gate_w, bias, top_k, scale, region = match_router(a["topk_ids"], a["topk_weights"], opts.moe_top_k)
-        require(rx is x, "router and latent down-proj read different inputs", a["x"])
-        # routed -> RMSNorm -> up-proj -> + shared
-        n_user = single_user(R)
-        require(n_user is not None, "experts' output has several users", R)
-        norm_nodes: set = set()
-        if is_call(n_user, "float"):
-            normed = single_user(single_user(n_user))
-        elif is_cast(n_user, torch.float32):  # post-grad: the decomposed norm's output cast, past pow/mean/rsqrt/mul
-            normed = _decomposed_norm_output(n_user)
-        else:
-            normed = None
-        require(normed is not None, "no latent RMSNorm after the experts", R)
-        r_in, norm_w, norm_eps = match_rms_norm(normed, into=norm_nodes)
-        require(r_in is R, "latent RMSNorm does not read the experts' output", normed)
-        up = single_user(normed)
-        up_lin = as_linear(up)
-        require(up_lin is not None and up_lin[0] is normed, "no up-projection after the latent norm", normed)
-        if up_lin[2] is not None:  # post-grad: Inductor folded "+ shared" into addmm(shared, normed, up_w^T)
-            add, shared_out, sd = up, up_lin[2], as_linear(up_lin[2])
-            require(sd is not None and sd[2] is None, "the up-projection's bias is not a shared expert's down_proj", up)
-        else:
-            add = single_user(up)
-            require(add is not None, "no shared expert: up-projection is not added to one", up)
-            if is_call(add, aten.addmm) and add.args[0] is up:  # post-grad: addmm(up, situ, down_w^T)
-                w = transposed(add.args[2]) if as_linear(add) is not None else None
-                require(w is not None, "the add's other operand is not a shared expert's down_proj", add)
-                shared_out, sd = add, (add.args[1], w, None)
-            else:
-                require(is_call(add, operator.add, torch.add, aten.add) and add.kwargs.get("alpha", 1) == 1,
-                        "no shared expert: up-projection is not added to one", up)
-                shared_out = add.args[1] if add.args[0] is up else add.args[0]
-                sd = as_linear(shared_out)
-                require(sd is not None and sd[2] is None, "the add's other operand is not a shared expert's down_proj", add)
-        gate_up, situ_region = match_situ(sd[0], float(a["beta"]), float(a["beta_lin"]))
-        gu = as_linear(gate_up)
-        require(gu[0] is x and gu[2] is None, "shared expert reads another input than the router", gate_up)
-        gu_w, sd_w = gu[1], sd[1]
-        check_bf16("MoE activations/weights", x, down_w, gu_w, sd_w, up_lin[1], a["w13"], a["w2"])
-        shared_inter = ctx.param(sd_w, "shared down_proj").shape[1]
-        ep_size = int(a["ep_size"])
-        E, E_local = ctx.param(gate_w, "router weight").shape[0], val(a["w13"]).shape[0]
-        # ep_size 1 with fewer local experts: one rank's share run alone (benchmarks), no dispatch
-        require(E == E_local * ep_size or (ep_size == 1 and E % E_local == 0),
-                f"{E} experts != {E_local} local x EP size {ep_size}", R)
-        require(ctx.param(gu_w, "shared gate_up").shape[0] == 2 * shared_inter, "shared gate_up is not 2x down's width", gu_w)
-        latent = ctx.param(down_w, "latent down-proj").shape[0]
-        for w, what in ((gate_w, "router weight"), (up_lin[1], "up-proj"), (bias, "correction bias")):
-            ctx.param(w, what)
-        region |= {a["x"], R, normed, up, add, shared_out, gate_up} | situ_region | norm_nodes
-
+        m = dep_moe_supported(ctx, found.anchor)
+        a = m.args
         prepared = EpMoeLayer(
-            shared_inter=shared_inter, latent=latent, top_k=top_k, scale=scale, beta=float(a["beta"]),
-            beta_lin=float(a["beta_lin"]), norm_eps=norm_eps, expert_start=int(a["expert_start"]), ep_size=ep_size,
+            shared_inter=m.shared_inter, latent=m.latent, top_k=m.top_k, scale=m.scale, beta=float(a["beta"]),
+            beta_lin=float(a["beta_lin"]), norm_eps=m.norm_eps, expert_start=int(a["expert_start"]), ep_size=m.ep_size,
             front_max=opts.front_max, front=DepProjection("moe_front", opts.projection_tables["moe_front"]),
         )
         key = register(found.module, prepared)
-        region = ctx.verified_region(x, add, region)
-        front = ctx.pack([gu_w, down_w], "MoE front")
-        ctx.replace(region, add, MOE.default, (x, front, gate_w, bias, a["w13"], a["w2"], norm_w, up_lin[1], sd_w, key),
-                    found.module)
-        op = "kimi_dep.moe" if ep_size == 1 else f"kimi_dep.moe[ep{ep_size}]"
+        region = ctx.verified_region(m.x, m.output, m.region)
+        front = ctx.pack([m.gu_w, m.down_w], "MoE front")
+        ctx.replace(region, m.output, MOE.default, (m.x, front, m.gate_w, m.bias, a["w13"], a["w2"], m.norm_w, m.up_w,
+                                                    m.sd_w, key), found.module)
+        op = "kimi_dep.moe" if m.ep_size == 1 else f"kimi_dep.moe[ep{m.ep_size}]"
         return op, {"moe_front": prepared.front.policies([b for b in opts.batches if b <= opts.front_max])}
