@@ -9,8 +9,8 @@ comparison), and prints the largest difference in logits and in every cache. Wit
 tactics the rewritten ops compute exactly what stock computes: the rewritten graph matches
 stock eager to the bit. Anything that changes a BF16 rounding upstream of a router (the
 measured split-K tables, the default on CUDA, sum the projections in another order; Inductor
-fuses the norms and AttnRes) can flip a near-tied top-16 expert and move that token's logits by
-O(1), for plain Inductor on stock as much as for kimi_dep: --inductor prints both.
+fuses the norms, AttnRes and the router) can flip a near-tied top-16 expert and move that
+token's logits by O(1); --inductor prints plain Inductor on stock next to kimi_dep + Inductor.
 """
 
 from __future__ import annotations
