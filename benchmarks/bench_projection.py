@@ -457,12 +457,22 @@ def table_literals(results: dict) -> str:
     return "DEP_PROJECTION: dict[str, dict[int, Tactic]] = {\n" + "\n".join(proj) + "\n}\n" + "\n".join(oproj)
 
 
-def plot(results: dict, path: str) -> str | None:
+HLINES = {"4.8 TB/s spec": 4.8, "4.33 TB/s read ceiling": 4.33, "4.2 TB/s target": 4.2}
+
+
+def _plot_tbps(results: dict, path: str, series_of, suptitle: str) -> str | None:
+    """One TB/s-vs-rows panel per shape; ``series_of(wb, entries) -> {label: [TB/s | None]}``."""
     panels = []
     for name, res in results.items():
-        wb = res["weight_bytes"]
         rows = list(res["rows"])
-        es = [res["rows"][r] for r in rows]
+        series = series_of(res["weight_bytes"], [res["rows"][r] for r in rows])
+        panels.append({"title": f"{name} ({res['n']} x {res['k']})", "x": rows, "series": series, "hlines": HLINES})
+    return common.plot_panels(path, panels, xlabel="rows (M)", ylabel="effective TB/s (weight bytes / time)",
+                              suptitle=suptitle)
+
+
+def plot(results: dict, path: str) -> str | None:
+    def series_of(wb, es):
         series = {
             "cuBLAS": [common.tbps(wb, e["cublas_us"]) for e in es],
             "split-K (best)": [common.tbps(wb, e["best"]["median_us"]) if e.get("best") else None for e in es],
@@ -470,11 +480,10 @@ def plot(results: dict, path: str) -> str | None:
         pdl = [e.get("pdl", {}).get("pdl", {}).get("chained_us") for e in es]
         if any(pdl):
             series["split-K + PDL (chained)"] = [common.tbps(wb, p) if p else None for p in pdl]
-        panels.append({"title": f"{name} ({res['n']} x {res['k']})", "x": rows, "series": series,
-                       "hlines": {"4.8 TB/s spec": 4.8, "4.33 TB/s read ceiling": 4.33, "4.2 TB/s target": 4.2}})
-    return common.plot_panels(path, panels, xlabel="rows (M)", ylabel="effective TB/s (weight bytes / time)",
-                              suptitle="DepProjection: cuBLAS vs Triton split-K (H200, CUDA graphs, weights rotated past L2)")
+        return series
 
+    return _plot_tbps(results, path, series_of,
+                      "DepProjection: cuBLAS vs Triton split-K (H200, CUDA graphs, weights rotated past L2)")
 
 VALIDATE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 40, 48, 56, 64)
 
@@ -542,18 +551,10 @@ def validate_report(results: dict) -> str:
 
 
 def validate_plot(results: dict, path: str) -> str | None:
-    panels = []
-    for name, res in results.items():
-        wb = res["weight_bytes"]
-        rows = list(res["rows"])
-        es = [res["rows"][r] for r in rows]
-        panels.append({"title": f"{name} ({res['n']} x {res['k']})", "x": rows,
-                       "series": {"cuBLAS": [common.tbps(wb, e["cublas_us"]) for e in es],
-                                  "DepProjection table": [common.tbps(wb, e["table_us"]) for e in es]},
-                       "hlines": {"4.8 TB/s spec": 4.8, "4.33 TB/s read ceiling": 4.33, "4.2 TB/s target": 4.2}})
-    return common.plot_panels(path, panels, xlabel="rows (M)", ylabel="effective TB/s (weight bytes / time)",
-                              suptitle="DepProjection tables vs cuBLAS (H200, CUDA graphs, weights rotated past L2)")
-
+    return _plot_tbps(results, path, lambda wb, es: {
+        "cuBLAS": [common.tbps(wb, e["cublas_us"]) for e in es],
+        "DepProjection table": [common.tbps(wb, e["table_us"]) for e in es],
+    }, "DepProjection tables vs cuBLAS (H200, CUDA graphs, weights rotated past L2)")
 
 def parse_configs(text: str | None, default):
     if not text:
