@@ -556,6 +556,17 @@ def validate_plot(results: dict, path: str) -> str | None:
         "DepProjection table": [common.tbps(wb, e["table_us"]) for e in es],
     }, "DepProjection tables vs cuBLAS (H200, CUDA graphs, weights rotated past L2)")
 
+def _start_gpu_run(args) -> float | None:
+    """Check for a GPU, turn TF32 off, make the output dir, print the environment; the start time."""
+    if not torch.cuda.is_available():
+        print("bench_projection: needs a CUDA device", file=sys.stderr)
+        return None
+    torch.backends.cuda.matmul.allow_tf32 = False
+    os.makedirs(args.out, exist_ok=True)
+    print("env:", common.env_info(), flush=True)
+    return time.time()
+
+
 def parse_configs(text: str | None, default):
     if not text:
         return default
@@ -594,13 +605,9 @@ def main(argv=None) -> int:
 
     args.validate_rows = [int(r) for r in args.validate_rows.split(",") if r]
     if args.validate:
-        if not torch.cuda.is_available():
-            print("bench_projection: needs a CUDA device", file=sys.stderr)
+        t_start = _start_gpu_run(args)
+        if t_start is None:
             return 2
-        t_start = time.time()
-        torch.backends.cuda.matmul.allow_tf32 = False
-        os.makedirs(args.out, exist_ok=True)
-        print("env:", common.env_info(), flush=True)
         results = validate(args)
         text = validate_report(results)
         png = validate_plot(results, os.path.join(args.out, "projection_tables.png"))
@@ -631,15 +638,9 @@ def main(argv=None) -> int:
           f"{len(jobs)} kernel specializations", flush=True)
     if args.dry_run:
         return 0
-    if not torch.cuda.is_available():
-        print("bench_projection: needs a CUDA device", file=sys.stderr)
+    t_start = _start_gpu_run(args)
+    if t_start is None:
         return 2
-
-    t_start = time.time()
-    torch.backends.cuda.matmul.allow_tf32 = False
-    os.makedirs(args.out, exist_ok=True)
-    env = common.env_info()
-    print("env:", env, flush=True)
     failures = precompile(sorted(jobs), args.workers)
     budget_end = t_start + args.budget_s
     results = {}

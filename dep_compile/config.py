@@ -15,6 +15,11 @@ DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 MAX_VERIFY_Q = 8  # verify steps beyond this many tokens per request are prefill-shaped
 
 
+# Options that put every projection on cuBLAS (torch.mm): the rewritten ops then run the same
+# kernels in the same order as stock, so pattern-only results match stock eager to the bit.
+CUBLAS_ONLY = {"projection_tables": {name: {} for name in tactics.DEP_PROJECTION}, "oproj_table": {}}
+
+
 @dataclasses.dataclass(frozen=True)
 class DepOptions:
     """Every option the backend takes; ``from_dict`` rejects unknown names and bad values."""

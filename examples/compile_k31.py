@@ -20,10 +20,9 @@ import argparse
 import torch
 
 import dep_compile
+from dep_compile.config import CUBLAS_ONLY
 from dep_compile.stock import KimiCache, RequestBatch, build_model, preset
 from dep_compile.stock.cache import cache_differences
-
-CUBLAS_ONLY = {"projection_tables": {"dsa_qkv_a_g_index": {}, "kda_in_proj": {}, "moe_front": {}}, "oproj_table": {}}
 
 
 def main() -> None:

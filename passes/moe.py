@@ -21,7 +21,6 @@ aten = torch.ops.aten
 Node = torch.fx.Node
 EXPERTS = torch.ops.kimi_k3.routed_experts
 MOE = torch.ops.kimi_dep.moe
-K3_TOP_K = 16
 
 
 def _const(node, *candidates):

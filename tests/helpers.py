@@ -7,6 +7,7 @@ import dataclasses
 import torch
 
 import dep_compile
+from dep_compile.config import CUBLAS_ONLY  # noqa: F401  (re-exported to the tests)
 from dep_compile.stock import KimiCache, RequestBatch, build_model
 from dep_compile.stock.cache import FP8_REL, cache_differences
 
@@ -18,9 +19,7 @@ LOGIT_ATOL = 0.1  # logits are O(1); a wrong slice or lost cache write moves the
 STATE_ATOL = 0.05
 
 
-# Every bin cuBLAS: the rewritten graph then runs the same kernels in the same order as stock,
-# so pattern-only results are exact. run_pair uses it unless the options name tables.
-CUBLAS_ONLY = {"projection_tables": {"dsa_qkv_a_g_index": {}, "kda_in_proj": {}, "moe_front": {}}, "oproj_table": {}}
+# run_pair uses dep_compile.config.CUBLAS_ONLY (exact pattern-only parity) unless the options name tables.
 
 
 @dataclasses.dataclass

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..stock.layers import situ
+from ..stock.layers import renormalized_topk, situ
 from .packing import packed_rows
 from .projection import DepProjection
 from .registry import lookup
@@ -38,9 +38,7 @@ class EpMoeLayer:
         else:
             logits = F.linear(x.float(), gate_w.float())
         scores = torch.sigmoid(logits)
-        ids = torch.topk(scores + bias, self.top_k, dim=-1).indices
-        w = scores.gather(1, ids)
-        return w / w.sum(-1, keepdim=True) * self.scale, ids
+        return renormalized_topk(scores, scores + bias, self.top_k, self.scale)
 
     def front_gemm(self, x: Tensor, front_ws: list[Tensor]) -> tuple[Tensor, Tensor]:
         """(shared gate_up [T, 2*SI], latent [T, Lat]): one packed GEMM, or stock's two above FRONT_MAX."""

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import K3Config
+from .reference.common import situ as reference_situ
 
 
 class RMSNorm(nn.Module):
@@ -24,8 +25,7 @@ class RMSNorm(nn.Module):
 def situ(gate_up: torch.Tensor, beta: float, beta_lin: float) -> torch.Tensor:
     """SiTU of a packed [T, 2I] gate|up projection, FP32 math, output in its dtype: [T, I]."""
     g, u = gate_up.float().chunk(2, dim=-1)
-    act = beta * torch.tanh(g / beta) * torch.sigmoid(g) * (beta_lin * torch.tanh(u / beta_lin))
-    return act.to(gate_up.dtype)
+    return reference_situ(g, u, beta, beta_lin).to(gate_up.dtype)
 
 
 class SiTUMLP(nn.Module):
@@ -39,6 +39,14 @@ class SiTUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(situ(self.gate_up_proj(x), self.beta, self.beta_lin))
+
+
+def renormalized_topk(scores: torch.Tensor, keyed: torch.Tensor, top_k: int, scale: float):
+    """ids = top-k of ``keyed`` [T, E]; weights = the selected ``scores``, renormalized, times ``scale``."""
+    topk_ids = torch.topk(keyed, top_k, dim=-1).indices
+    topk_weights = scores.gather(1, topk_ids)
+    topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    return topk_weights * scale, topk_ids
 
 
 class Router(nn.Module):
@@ -65,10 +73,7 @@ class Router(nn.Module):
             group_idx = group_score.topk(self.topk_group, dim=-1).indices
             mask = torch.zeros_like(group_score).scatter_(1, group_idx, 1.0)
             keyed = grouped.masked_fill(mask.unsqueeze(-1) == 0, float("-inf")).view(x.shape[0], -1)
-        topk_ids = torch.topk(keyed, self.top_k, dim=-1).indices
-        topk_weights = scores.gather(1, topk_ids)
-        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
-        return topk_weights * self.scale, topk_ids
+        return renormalized_topk(scores, keyed, self.top_k, self.scale)
 
 
 class AttnResPoint(nn.Module):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 FP8 = torch.float8_e4m3fn
@@ -21,12 +19,6 @@ def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, beta_lin: float) -> 
     """SiTU: beta*tanh(g/beta)*sigmoid(g) * beta_lin*tanh(u/beta_lin), FP32 math, FP32 out."""
     g, u = gate.float(), up.float()
     return beta * torch.tanh(g / beta) * torch.sigmoid(g) * (beta_lin * torch.tanh(u / beta_lin))
-
-
-def situ_packed(gate_up: torch.Tensor, beta: float, beta_lin: float) -> torch.Tensor:
-    """SiTU of a packed [.., 2I] gate|up tensor, rounded to the input dtype: [.., I]."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return situ(gate, up, beta, beta_lin).to(gate_up.dtype)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -47,6 +39,3 @@ def fp8_pow2_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     values = (xf / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return values, scale
 
-
-def inv_sqrt(n: int) -> float:
-    return 1.0 / math.sqrt(n)

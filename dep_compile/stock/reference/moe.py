@@ -1,4 +1,4 @@
-"""Reference routed experts (SiTU MLPs in the MoE latent) and the sigmoid top-k router."""
+"""Reference routed experts: SiTU MLPs in the MoE latent, weighted by the router."""
 
 from __future__ import annotations
 
@@ -40,15 +40,3 @@ def routed_experts_partial(
         out.index_add_(0, tok, y * topk_weights[tok, slot].float().unsqueeze(1))
     return out
 
-
-def route_ref(
-    logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, scale: float, renormalize: bool = True
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sigmoid routing by a full sort, for tests: (weights [T, K] FP32, ids [T, K] int64)."""
-    scores = torch.sigmoid(logits.float())
-    keyed = scores + (bias.float() if bias is not None else 0)
-    ids = torch.argsort(keyed, dim=-1, descending=True, stable=True)[:, :top_k]
-    w = scores.gather(1, ids)
-    if renormalize:
-        w = w / w.sum(-1, keepdim=True)
-    return w * scale, ids
