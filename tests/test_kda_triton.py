@@ -22,7 +22,7 @@ output):
   bit-identical;
 * conv state (BF16): bit-identical everywhere (the committed taps are copies of BF16 inputs).
 
-Skipped cleanly without CUDA (CI). ``KDA_TRITON_TEST_DEVICE=cpu`` with ``TRITON_INTERPRET=1``
+Skipped cleanly without CUDA (CI). ``TRITON_TEST_DEVICE=cpu`` with ``TRITON_INTERPRET=1``
 runs the same checks in Triton's CPU interpreter (small size).
 """
 
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from dep_compile.stock.reference.kda import kda_core_ref
 
-_DEV = os.environ.get("KDA_TRITON_TEST_DEVICE", "cuda")
+_DEV = os.environ.get("TRITON_TEST_DEVICE", "cuda")
 
 pytestmark = [] if _DEV == "cpu" else [
     pytest.mark.cuda,

@@ -1,7 +1,10 @@
 """The stock ``kimi_k3`` custom ops: opaque to Dynamo where vLLM's kernels are.
 
 Each op declares exactly what it mutates, has a fake kernel, and runs the readable reference
-in ``dep_compile.stock.reference`` (CPU and CUDA alike until faster stock kernels land).
+in ``dep_compile.stock.reference`` on CPU. On CUDA the MLA / DSA ops run vectorized,
+graph-capturable versions (``batched_attention``), the KDA core ``kda_cuda.kda_core_cuda``
+(Triton conv, fla-core's fused recurrent KDA where it imports, Triton gated norm) and the
+routed experts grouped GEMMs; the other ops run the reference on CUDA too.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .batched_attention import dsa_indexer_batched, mla_decode_batched, sparse_mla_decode_batched
 from .reference.attn_res import attn_res_ref
 from .reference.dsa import dsa_indexer_ref, sparse_mla_decode_ref
 from .reference.kda import kda_core_ref
@@ -25,8 +29,12 @@ def kda_core(
     q_len: int, lower_bound: float, norm_eps: float,
 ) -> Tensor:
     """KDA core: conv -> gate -> delta rule -> gated RMSNorm; [T, H*D] (see kda_core_ref)."""
-    return kda_core_ref(q, k, v, g_raw, beta, g_out, conv_weight, A_log, dt_bias, o_norm_weight,
-                        conv_state, recurrent_state, state_indices, accepted, q_len, lower_bound, norm_eps)
+    if q.is_cuda:  # kda_cuda imports Triton: imported only for CUDA tensors
+        from .kda_cuda import kda_core_cuda as fn  # noqa: PLC0415
+    else:
+        fn = kda_core_ref
+    return fn(q, k, v, g_raw, beta, g_out, conv_weight, A_log, dt_bias, o_norm_weight,
+              conv_state, recurrent_state, state_indices, accepted, q_len, lower_bound, norm_eps)
 
 
 @kda_core.register_fake
@@ -41,7 +49,8 @@ def mla_decode(
     block_table: Tensor, seq_lens: Tensor, q_len: int, scale: float, nope: int,
 ) -> Tensor:
     """Latent cache insert + absorbed MLA decode + W_UV; [T, H*v] (see mla_decode_ref)."""
-    return mla_decode_ref(q, latent, kv_b_weight, kv_cache, slot_mapping, block_table, seq_lens, q_len, scale, nope)
+    fn = mla_decode_batched if q.is_cuda else mla_decode_ref
+    return fn(q, latent, kv_b_weight, kv_cache, slot_mapping, block_table, seq_lens, q_len, scale, nope)
 
 
 @mla_decode.register_fake
@@ -57,8 +66,8 @@ def dsa_indexer(
     slot_mapping: Tensor, block_table: Tensor, seq_lens: Tensor, q_len: int, topk: int,
 ) -> Tensor:
     """FP8 index-key insert + ReLU-weighted logits + top-k; [T, topk] int32 (see dsa_indexer_ref)."""
-    return dsa_indexer_ref(q_idx, weights, k, index_cache, index_scale, slot_mapping, block_table,
-                           seq_lens, q_len, topk)
+    fn = dsa_indexer_batched if q_idx.is_cuda else dsa_indexer_ref
+    return fn(q_idx, weights, k, index_cache, index_scale, slot_mapping, block_table, seq_lens, q_len, topk)
 
 
 @dsa_indexer.register_fake
@@ -72,8 +81,8 @@ def sparse_mla_decode(
     block_table: Tensor, topk_indices: Tensor, q_len: int, scale: float, nope: int,
 ) -> Tensor:
     """Latent cache insert + absorbed MLA over the selected tokens; [T, H*v]."""
-    return sparse_mla_decode_ref(q, latent, kv_b_weight, kv_cache, slot_mapping, block_table,
-                                 topk_indices, q_len, scale, nope)
+    fn = sparse_mla_decode_batched if q.is_cuda else sparse_mla_decode_ref
+    return fn(q, latent, kv_b_weight, kv_cache, slot_mapping, block_table, topk_indices, q_len, scale, nope)
 
 
 @sparse_mla_decode.register_fake
