@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..stock.batched_attention import dsa_indexer_batched, sparse_mla_decode_batched
 from ..stock.reference.dsa import dsa_indexer_ref, sparse_mla_decode_ref
+from ..stock.reference.mla import split_kv_b
 from .packing import packed_rows
 from .projection import DepProjection
 from .registry import lookup
+
+log = logging.getLogger(__name__)
+_LOGGED: set[str] = set()  # fallback reasons already logged
 
 
 @dataclasses.dataclass
@@ -48,18 +54,73 @@ class PreparedDsa:
         q_idx = F.linear(q_a, wq_b_w).view(T, self.index_heads, self.index_dim)
         return q, torch.cat([c_kv, k_rope], -1), q_idx
 
+    def core_torch(self, q_a, kv_a, gate, k_idx, w_idx, q_a_norm_w, kv_a_norm_w, q_b_w, kv_b_w, wq_b_w, k_norm_w,
+                   k_norm_b, kv_cache, index_cache, index_scale, slot_mapping, block_table, seq_lens,
+                   q_len: int) -> Tensor:
+        """Everything between the two projections, as stock computes it: [T, H*v] BF16 (gated).
+
+        CPU: the readable references; CUDA: the stock ops' batched torch code (no host sync).
+        """
+        q, latent, q_idx = self.split_query(q_a, kv_a, q_a_norm_w, kv_a_norm_w, q_b_w, wq_b_w)
+        k_idx = F.layer_norm(k_idx.float(), (self.index_dim,), k_norm_w.float(), k_norm_b.float(),
+                             self.k_norm_eps).to(k_idx.dtype)
+        cuda = q.is_cuda
+        indexer = dsa_indexer_batched if cuda else dsa_indexer_ref
+        topk = indexer(q_idx, w_idx, k_idx, index_cache, index_scale, slot_mapping, block_table, seq_lens, q_len,
+                       self.topk)
+        attend = sparse_mla_decode_batched if cuda else sparse_mla_decode_ref
+        o = attend(q, latent, kv_b_w, kv_cache, slot_mapping, block_table, topk, q_len, self.scale, self.nope)
+        return (o.float() * torch.sigmoid(gate.float())).to(o.dtype)
+
+    def core_triton(self, q_a, kv_a, gate, k_idx, w_idx, q_a_norm_w, kv_a_norm_w, q_b_w, kv_b_w, wq_b_w, k_norm_w,
+                    k_norm_b, kv_cache, index_cache, index_scale, slot_mapping, block_table, seq_lens,
+                    q_len: int) -> Tensor:
+        """The same on the Triton kernels (``dsa_triton``): [T, H*v] BF16 (gated).
+
+        split query (q_a norm; q_b and wq_b GEMMs; W_UK absorb), latent norm + insert, fused
+        FP8 indexer (key norm + quantize + insert; logits; top-k), split-KV sparse MLA over the
+        selected latents, W_UV + sigmoid(gate).
+        """
+        from .dsa_triton import (absorb_query, index_key_insert, index_logits, latent_insert, select_topk,
+                                 sparse_mla_decode_latent, uv_gate)
+        from .norm_triton import rms_norm_fused
+
+        T = q_a.shape[0]
+        q_a = rms_norm_fused(q_a, q_a_norm_w, self.q_a_eps)
+        q = F.linear(q_a, q_b_w).view(T, self.heads, self.nope + self.rope)
+        q_idx = F.linear(q_a, wq_b_w).view(T, self.index_heads, self.index_dim)
+        latent_insert(kv_a, kv_a_norm_w, self.kv_a_eps, kv_cache, slot_mapping)
+        index_key_insert(k_idx, k_norm_w, k_norm_b, self.k_norm_eps, index_cache, index_scale, slot_mapping)
+        logits = index_logits(q_idx, w_idx, index_cache, index_scale, block_table, seq_lens, slot_mapping, q_len)
+        topk = select_topk(logits, self.topk)  # [T, topk] int32 positions, ascending, -1 padded
+        w_uk, w_uv = split_kv_b(kv_b_w, self.heads, self.nope)  # [H, nope, L], [H, v, L]
+        query = absorb_query(q, w_uk)  # [T, H, L+R] BF16
+        o_lat = sparse_mla_decode_latent(query, kv_cache, block_table, topk, slot_mapping, q_len, self.kv_lora,
+                                         self.scale, block_n=min(64, self.topk))  # [T, H, L] BF16
+        return uv_gate(o_lat, w_uv, gate)
+
+    def runs_triton(self, kv_cache: Tensor, index_cache: Tensor) -> bool:
+        """Whether this step runs the Triton kernels: on CUDA, unless a shape they do not support
+        (then the stock ops' torch code runs, and the reason is logged once per process)."""
+        if not kv_cache.is_cuda:
+            return False
+        from .dsa_triton import dsa_triton_unsupported
+
+        why = dsa_triton_unsupported(kv_cache, index_cache, index_heads=self.index_heads, index_dim=self.index_dim,
+                                     kv_lora=self.kv_lora, nope=self.nope, v_dim=self.gate_width // self.heads,
+                                     topk=self.topk, block_n=min(64, self.topk))
+        if why is not None and why not in _LOGGED:
+            _LOGGED.add(why)
+            log.warning("kimi_dep DSA layer: Triton cores not used (%s); running the stock ops' torch code", why)
+        return why is None
+
     def forward(self, x, proj_ws, q_a_norm_w, kv_a_norm_w, q_b_w, kv_b_w, wq_b_w, k_norm_w, k_norm_b, o_proj_w,
                 kv_cache, index_cache, index_scale, slot_mapping, block_table, seq_lens, q_len: int) -> Tensor:
         packed = packed_rows(proj_ws, "DSA projection")  # [q_a | kv_a | gate | wk | wv] rows
-        q_a, kv_a, gate, k_idx, w_idx = self.projection(x, packed).split(self.split_sizes, -1)
-        q, latent, q_idx = self.split_query(q_a, kv_a, q_a_norm_w, kv_a_norm_w, q_b_w, wq_b_w)
-        k_idx = F.layer_norm(k_idx.float(), (self.index_dim,), k_norm_w.float(), k_norm_b.float(),
-                             self.k_norm_eps).to(x.dtype)
-        topk = dsa_indexer_ref(q_idx, w_idx, k_idx, index_cache, index_scale, slot_mapping, block_table, seq_lens,
-                               q_len, self.topk)
-        o = sparse_mla_decode_ref(q, latent, kv_b_w, kv_cache, slot_mapping, block_table, topk, q_len,
-                                  self.scale, self.nope)
-        o = (o.float() * torch.sigmoid(gate.float())).to(x.dtype)
+        parts = self.projection(x, packed).split(self.split_sizes, -1)  # q_a, kv_a, gate, k_idx, w_idx
+        core = self.core_triton if self.runs_triton(kv_cache, index_cache) else self.core_torch
+        o = core(*parts, q_a_norm_w, kv_a_norm_w, q_b_w, kv_b_w, wq_b_w, k_norm_w, k_norm_b, kv_cache, index_cache,
+                 index_scale, slot_mapping, block_table, seq_lens, q_len)
         return self.o_proj(o, o_proj_w)
 
 

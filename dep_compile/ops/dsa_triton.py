@@ -1,0 +1,538 @@
+"""Triton DSA decode kernels (SM90): the fused FP8 indexer and split-KV sparse MLA decode.
+
+Seven kernels, each one launch, no host synchronisation, outputs allocated up front (CUDA-graph
+capturable):
+
+* :func:`latent_insert`: the latent entry (RMSNorm of c_kv | k_rope) written straight into the
+  paged latent cache (slot -1 skips).
+* :func:`absorb_query`: the absorbed query ``[q_nope @ W_UK | q_rope]`` per head.
+
+* :func:`index_key_insert`: key LayerNorm (FP32, rounded to BF16), FP8 e4m3 quantization with
+  one power-of-two scale per token, and the insert into the paged index cache (slot -1 skips).
+* :func:`index_logits`: one program per (request, block of cached positions) scores every
+  step token of the request against the block's FP8 keys, loaded once for all ``q_len``
+  tokens: the queries are quantized in-kernel (per-head power-of-two scale), one tensor-core
+  dot ``[q_len*Hi, Di] x [Di, BLOCK_N]`` of the FP8 values (as BF16: exact, with FP32
+  accumulation), ReLU, the folded head weights, the key scale.
+  Positions after the token's own (and padding tokens) get ``-inf``. Top-k then runs in torch
+  (:func:`select_topk_positions`).
+* :func:`sparse_mla_partial` + combine: absorbed MLA decode over each token's selected latent
+  rows, flash-decoding style: the 96 query heads are tiled (``BLOCK_H`` heads per program, not
+  padded), the ``topk`` selected entries are split over ``splits`` programs so a single token
+  still fills the GPU, each program keeps an online softmax over its entries, and a combine
+  kernel merges the splits into the BF16 latent output.
+* :func:`uv_gate`: W_UV (latent -> 128 per head) and ``* sigmoid(gate)`` in one launch, the
+  input of o_proj.
+
+Numerics follow ``dep_compile.stock.reference.dsa``: the power-of-two scales are computed from
+the float bits (the smallest power of two >= amax / 448, exact), FP8 products are exact and
+accumulate in FP32 (a different order than the reference: logits move by FP32 ulps, which can
+flip a near-tie at the top-k boundary), and the softmax weights enter the value dot as BF16
+(as flash attention does) with FP32 accumulation.
+
+The module imports Triton at import time: import it only where CUDA and Triton exist.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["absorb_query", "latent_insert", "index_key_insert", "index_logits", "select_topk_positions",
+           "select_topk", "select_topk_triton",
+           "sparse_mla_decode_latent", "uv_gate", "dsa_triton_unsupported"]
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+FP8_MAX = 448.0
+
+
+@triton.jit
+def _pow2_scale(amax):
+    """Smallest power of two >= amax / 448, from the float bits (exact); amax clamped to 1e-12."""
+    r = tl.maximum(amax, 1e-12) / 448.0
+    bits = r.to(tl.int32, bitcast=True)
+    exp = (bits >> 23) & 0xFF
+    exp = tl.where((bits & 0x7FFFFF) != 0, exp + 1, exp)
+    return (exp << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mm(a, b, F32: tl.constexpr):
+    """a @ b with FP32 accumulation; BF16 tensor cores, or FP32 operands in Triton's interpreter
+    (whose BF16 dot is wrong: BF16 values are exact in FP32, so the result is the same up to order)."""
+    if F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _key_insert_kernel(k_ptr, w_ptr, b_ptr, slot_ptr, cache_ptr, scale_ptr,
+                       stride_k, stride_c_blk, stride_c_off, stride_s_blk, stride_s_off, eps,
+                       BS: tl.constexpr, DI: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        d = tl.arange(0, DI)
+        x = tl.load(k_ptr + t.to(tl.int64) * stride_k + d).to(tl.float32)
+        mean = tl.sum(x, axis=0) / DI
+        xc = x - mean
+        var = tl.sum(xc * xc, axis=0) / DI
+        y = xc * tl.rsqrt(var + eps) * tl.load(w_ptr + d).to(tl.float32) + tl.load(b_ptr + d).to(tl.float32)
+        y = y.to(tl.bfloat16).to(tl.float32)  # the stock LayerNorm output is BF16
+        scale = _pow2_scale(tl.max(tl.abs(y), axis=0))
+        vals = tl.minimum(tl.maximum(y / scale, -448.0), 448.0)
+        blk = slot // BS
+        off = slot % BS
+        tl.store(cache_ptr + blk * stride_c_blk + off * stride_c_off + d, vals.to(cache_ptr.dtype.element_ty))
+        tl.store(scale_ptr + blk * stride_s_blk + off * stride_s_off, scale)
+
+
+def index_key_insert(k: torch.Tensor, norm_w: torch.Tensor, norm_b: torch.Tensor, eps: float,
+                     index_cache: torch.Tensor, index_scale: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """LayerNorm + FP8 quantize + insert of this step's index keys ``k [T, Di]`` (BF16, unit inner stride).
+
+    index_cache: [NB, BS, Di] float8_e4m3fn (unit inner stride); index_scale: [NB, BS] FP32;
+    slot_mapping: [T] (-1 = padding, nothing written).
+    """
+    T, Di = k.shape
+    if T == 0:
+        return
+    _key_insert_kernel[(T,)](
+        k, norm_w, norm_b, slot_mapping, index_cache, index_scale,
+        k.stride(0), index_cache.stride(0), index_cache.stride(1), index_scale.stride(0), index_scale.stride(1),
+        float(eps), BS=index_cache.shape[1], DI=Di, num_warps=1)
+
+
+@triton.jit
+def _index_logits_kernel(q_ptr, wt_ptr, cache_ptr, scale_ptr, bt_ptr, seq_ptr, slot_ptr, out_ptr,
+                         stride_q_t, stride_q_h, stride_w_t, stride_c_blk, stride_c_off, stride_s_blk, stride_s_off,
+                         stride_bt, stride_out, w_const, N,
+                         Q_LEN: tl.constexpr, QP: tl.constexpr, HI: tl.constexpr, DI: tl.constexpr,
+                         BS: tl.constexpr, BLOCK_N: tl.constexpr, STEPS: tl.constexpr, F32: tl.constexpr):
+    b = tl.program_id(0)
+    seq = tl.load(seq_ptr + b).to(tl.int32)
+    i = tl.arange(0, QP)  # token of the request
+    tok = b * Q_LEN + i
+    tok_ok = i < Q_LEN
+    slot = tl.load(slot_ptr + tok, mask=tok_ok, other=-1)
+    pos = seq - Q_LEN + i  # [QP]
+    live = tok_ok & (slot >= 0)
+    last = tl.max(tl.where(live, pos, -1), axis=0)  # the last position any token of the request sees
+    # Queries of all Q_LEN tokens, quantized per (token, head) once per program: rows r = i * HI + h.
+    r = tl.arange(0, QP * HI)
+    ri = r // HI
+    rh = r % HI
+    d = tl.arange(0, DI)
+    r_ok = ri < Q_LEN
+    rtok = (b * Q_LEN + ri).to(tl.int64)
+    q = tl.load(q_ptr + rtok[:, None] * stride_q_t + rh[:, None] * stride_q_h + d[None, :],
+                mask=r_ok[:, None], other=0.0).to(tl.float32)
+    q_scale = _pow2_scale(tl.max(tl.abs(q), axis=1))  # [QP*HI]
+    q8 = tl.minimum(tl.maximum(q / q_scale[:, None], -448.0), 448.0).to(tl.float8e4nv).to(tl.bfloat16)
+    w = tl.load(wt_ptr + rtok * stride_w_t + rh, mask=r_ok, other=0.0).to(tl.float32)
+    w_fold = w * q_scale * w_const  # weights x q scale x Di^-1/2 x Hi^-1/2 (folded on the host)
+    for j in range(STEPS):  # STEPS blocks of BLOCK_N positions per program
+        n0 = (tl.program_id(1) * STEPS + j) * BLOCK_N
+        n = n0 + tl.arange(0, BLOCK_N)  # positions in the request
+        out_rows = out_ptr + tok.to(tl.int64)[:, None] * stride_out + n[None, :]
+        out_mask = tok_ok[:, None] & (n < N)[None, :]
+        if n0 > last:  # no token of the request sees this block (or every token is padding)
+            tl.store(out_rows, tl.full([QP, BLOCK_N], float("-inf"), tl.float32), mask=out_mask)
+        else:
+            n_ok = n < seq
+            blk = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + n // BS, mask=n_ok, other=0).to(tl.int64)
+            off = (n % BS).to(tl.int64)
+            k8 = tl.load(cache_ptr + blk[:, None] * stride_c_blk + off[:, None] * stride_c_off + d[None, :],
+                         mask=n_ok[:, None], other=0.0)
+            k_scale = tl.load(scale_ptr + blk * stride_s_blk + off * stride_s_off, mask=n_ok, other=0.0)
+            # [QP*HI, BLOCK_N] FP32. BF16 operands hold the FP8 values exactly and keep full FP32
+            # accumulation (Hopper's FP8 tensor-core dots accumulate with ~14 bits, DeepSeek-V3 §3.3).
+            dots = _mm(q8, tl.trans(k8.to(tl.bfloat16)), F32)
+            contrib = tl.maximum(dots, 0.0) * w_fold[:, None]
+            logits = tl.sum(tl.reshape(contrib, [QP, HI, BLOCK_N]), axis=1) * k_scale[None, :]
+            visible = live[:, None] & (n[None, :] <= pos[:, None])  # [QP, BLOCK_N]
+            tl.store(out_rows, tl.where(visible, logits, float("-inf")), mask=out_mask)
+
+
+def index_logits(q_idx: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor, index_scale: torch.Tensor,
+                 block_table: torch.Tensor, seq_lens: torch.Tensor, slot_mapping: torch.Tensor, q_len: int,
+                 *, block_n: int = 128, steps: int = 4, num_warps: int = 8) -> torch.Tensor:
+    """Indexer logits of every step token over its request's cached positions: [T, MB*BS] FP32.
+
+    q_idx: [T, Hi, Di] BF16 (unit inner stride); weights: [T, Hi] (weights_proj output);
+    index_cache: [NB, BS, Di] FP8 e4m3; index_scale: [NB, BS] FP32; block_table: [B, MB];
+    seq_lens: [B] including this step's tokens; slot_mapping: [T]. Entries a token does not
+    see (later positions, padding tokens) are ``-inf``.
+    """
+    T, Hi, Di = q_idx.shape
+    B, MB = block_table.shape
+    BS = index_cache.shape[1]
+    N = MB * BS
+    out = torch.empty(T, N, dtype=torch.float32, device=q_idx.device)
+    if T == 0 or N == 0:
+        return out
+    qp = max(triton.next_power_of_2(q_len), triton.cdiv(16, Hi))  # tl.dot needs >= 16 query rows
+    steps = max(1, min(steps, triton.cdiv(N, block_n)))
+    grid = (B, triton.cdiv(N, block_n * steps))
+    _index_logits_kernel[grid](
+        q_idx, weights, index_cache, index_scale, block_table, seq_lens, slot_mapping, out,
+        q_idx.stride(0), q_idx.stride(1), weights.stride(0), index_cache.stride(0), index_cache.stride(1),
+        index_scale.stride(0), index_scale.stride(1), block_table.stride(0), out.stride(0),
+        float((Di ** -0.5) * (Hi ** -0.5)), N,
+        Q_LEN=int(q_len), QP=qp, HI=Hi, DI=Di, BS=BS, BLOCK_N=block_n, STEPS=steps, F32=_INTERPRET,
+        num_warps=num_warps)
+    return out
+
+
+@triton.jit
+def _sort_key(x):
+    """Order-preserving uint32 key of an FP32 value (-inf lowest of the non-NaN values)."""
+    b = x.to(tl.uint32, bitcast=True)
+    flip = tl.where((b >> 31) != 0, 0xFFFFFFFF, 0x80000000).to(tl.uint32)
+    return b ^ flip
+
+
+@triton.jit
+def _topk_kernel(x_ptr, out_ptr, N, stride_x, stride_out, K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    row = x_ptr + t * stride_x
+    offs = tl.arange(0, BLOCK)
+    ninf = _sort_key(tl.full([BLOCK], float("-inf"), tl.float32))
+    # visible entries (> -inf); the selection takes min(K, visible) of them
+    n_vis = 0
+    for c0 in range(0, N, BLOCK):
+        n = c0 + offs
+        key = _sort_key(tl.load(row + n, mask=n < N, other=float("-inf")))
+        n_vis += tl.sum((key > ninf).to(tl.int32), axis=0)
+    want = tl.minimum(n_vis, K)
+    # radix select, 8 bits a pass from the top: thr = the want-th largest key; `need` of the
+    # entries equal to thr are taken (the lowest positions first)
+    prefix = tl.zeros([], tl.uint32)
+    pmask = tl.zeros([], tl.uint32)
+    need = want
+    bins = tl.arange(0, 512)
+    for p in tl.static_range(4):
+        shift = 24 - 8 * p
+        hist = tl.zeros([512], tl.int32)
+        for c0 in range(0, N, BLOCK):
+            n = c0 + offs
+            key = _sort_key(tl.load(row + n, mask=n < N, other=float("-inf")))
+            match = (n < N) & ((key & pmask) == prefix)
+            digit = tl.where(match, (key >> shift) & 0xFF, 256).to(tl.int32)  # bin 256+: not counted
+            hist += tl.histogram(digit, 512)
+        hist = tl.where(bins < 256, hist, 0)
+        above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0)  # [512]: matching entries with digit > bin
+        d = tl.sum((above >= need).to(tl.int32), axis=0)  # the digit of the want-th largest
+        need -= tl.sum(tl.where(bins == d, above, 0), axis=0)
+        prefix = prefix | (d.to(tl.uint32) << shift)
+        pmask = pmask | (tl.full([], 0xFF, tl.uint32) << shift)
+    # compaction in position order: the output is ascending by construction
+    done = 0
+    eq_seen = 0
+    for c0 in range(0, N, BLOCK):
+        n = c0 + offs
+        key = _sort_key(tl.load(row + n, mask=n < N, other=float("-inf")))
+        live = (n < N) & (key > ninf) & ((tl.zeros([BLOCK], tl.int32) + want) > 0)  # tensor mask (interpreter)
+        eq = live & (key == prefix)
+        eq_rank = eq_seen + tl.cumsum(eq.to(tl.int32), axis=0) - 1
+        sel = live & ((key > prefix) | (eq & (eq_rank < need)))
+        slot = done + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+        tl.store(out_ptr + t * stride_out + slot, n.to(tl.int32), mask=sel)
+        done += tl.sum(sel.to(tl.int32), axis=0)
+        eq_seen += tl.sum(eq.to(tl.int32), axis=0)
+    k = tl.arange(0, KP)
+    tl.store(out_ptr + t * stride_out + k, tl.full([KP], -1, tl.int32), mask=(k >= done) & (k < K))
+
+
+def select_topk_triton(logits: torch.Tensor, topk: int, *, block: int = 4096, num_warps: int = 8) -> torch.Tensor:
+    """:func:`select_topk_positions` in one launch (one program per row): radix select, then the
+    selected positions compacted in position order (ascending; ties at the threshold taken from
+    the lowest position). logits: [T, N] FP32 (unit inner stride) -> [T, topk] int32."""
+    T, N = logits.shape
+    out = torch.empty(T, topk, dtype=torch.int32, device=logits.device)
+    if T:
+        _topk_kernel[(T,)](logits, out, N, logits.stride(0), out.stride(0), K=topk,
+                           KP=triton.next_power_of_2(topk), BLOCK=min(block, triton.next_power_of_2(max(N, 16))),
+                           num_warps=num_warps)
+    return out
+
+
+TOPK_TRITON_MAX_N = 8192  # longer rows: torch's multi-block top-k is faster (bench_dsa_kernels.py)
+
+
+def select_topk(logits: torch.Tensor, topk: int) -> torch.Tensor:
+    """[T, topk] int32 positions, ascending, -1 padded: the one-launch kernel on rows up to
+    ``TOPK_TRITON_MAX_N`` positions, torch's top-k + sort on longer ones (measured faster there)."""
+    if logits.shape[1] <= TOPK_TRITON_MAX_N:
+        return select_topk_triton(logits, topk)
+    return select_topk_positions(logits, topk)
+
+
+def select_topk_positions(logits: torch.Tensor, topk: int) -> torch.Tensor:
+    """Top-``topk`` positions of each row of ``logits [T, N]`` (``-inf`` = not visible): [T, topk] int32.
+
+    Ascending, -1 padded at the end; a row with at most ``topk`` visible positions selects all
+    of them (as ``select_topk`` in the reference).
+    """
+    T, N = logits.shape
+    k = min(topk, N)
+    vals, idx = torch.topk(logits, k, dim=-1, sorted=False)
+    big = torch.iinfo(torch.int32).max
+    keyed = torch.where(vals > float("-inf"), idx.to(torch.int32), big)
+    keyed = torch.sort(keyed, dim=-1).values
+    out = torch.where(keyed == big, -1, keyed)
+    if k < topk:
+        out = torch.cat([out, out.new_full((T, topk - k), -1)], -1)
+    return out
+
+
+@triton.jit
+def _sparse_mla_kernel(q_ptr, kv_ptr, bt_ptr, idx_ptr, slot_ptr, o_ptr, m_ptr, l_ptr,
+                       stride_q_t, stride_q_h, stride_kv_blk, stride_kv_off, stride_bt, stride_idx,
+                       stride_o_t, stride_o_s, stride_o_h, stride_ml_t, stride_ml_s, scale,
+                       Q_LEN: tl.constexpr, H: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BS: tl.constexpr,
+                       BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, F32: tl.constexpr):
+    t = tl.program_id(0)
+    hb = tl.program_id(1)
+    s = tl.program_id(2)
+    b = t // Q_LEN
+    h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = h < H
+    dl = tl.arange(0, L)
+    dr = tl.arange(0, R)
+    t64 = t.to(tl.int64)
+    slot = tl.load(slot_ptr + t)
+    q_rows = q_ptr + t64 * stride_q_t + h.to(tl.int64)[:, None] * stride_q_h
+    q_lat = tl.load(q_rows + dl[None, :], mask=h_ok[:, None], other=0.0)  # [BLOCK_H, L] bf16
+    q_rope = tl.load(q_rows + L + dr[None, :], mask=h_ok[:, None], other=0.0)  # [BLOCK_H, R]
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_sum = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, L], tl.float32)
+    for j0 in tl.range(s * CHUNK, (s + 1) * CHUNK, BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        pos = tl.load(idx_ptr + t64 * stride_idx + j)
+        ok = (pos >= 0) & ((tl.zeros([BLOCK_N], tl.int64) + slot) >= 0)  # tensor mask (interpreter)
+        pos_c = tl.maximum(pos, 0)
+        blk = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + pos_c // BS, mask=ok, other=0).to(tl.int64)
+        rows = kv_ptr + blk * stride_kv_blk + (pos_c % BS).to(tl.int64) * stride_kv_off
+        k_lat = tl.load(rows[:, None] + dl[None, :], mask=ok[:, None], other=0.0)  # [BLOCK_N, L]
+        k_rope = tl.load(rows[:, None] + L + dr[None, :], mask=ok[:, None], other=0.0)  # [BLOCK_N, R]
+        sc = _mm(q_lat, tl.trans(k_lat), F32) + _mm(q_rope, tl.trans(k_rope), F32)  # [BLOCK_H, BLOCK_N]
+        sc = tl.where(ok[None, :], sc * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(sc, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(sc - m_safe[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _mm(p.to(tl.bfloat16), k_lat, F32)
+        m = m_new
+    o_rows = o_ptr + t64 * stride_o_t + s * stride_o_s + h.to(tl.int64)[:, None] * stride_o_h + dl[None, :]
+    tl.store(o_rows, acc, mask=h_ok[:, None])
+    ml = t64 * stride_ml_t + s * stride_ml_s + h
+    tl.store(m_ptr + ml, m, mask=h_ok)
+    tl.store(l_ptr + ml, l_sum, mask=h_ok)
+
+
+@triton.jit
+def _combine_kernel(o_ptr, m_ptr, l_ptr, out_ptr, stride_o_t, stride_o_s, stride_o_h, stride_ml_t, stride_ml_s,
+                    stride_out_t, stride_out_h, SPLITS: tl.constexpr, SP: tl.constexpr, L: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    sp = tl.arange(0, SP)
+    sp_ok = sp < SPLITS
+    m = tl.load(m_ptr + t * stride_ml_t + sp * stride_ml_s + h, mask=sp_ok, other=float("-inf"))
+    l_part = tl.load(l_ptr + t * stride_ml_t + sp * stride_ml_s + h, mask=sp_ok, other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    wgt = tl.where(sp_ok & (m > float("-inf")), tl.exp(m - m_safe), 0.0)  # [SP]
+    denom = tl.sum(wgt * l_part, axis=0)
+    dl = tl.arange(0, L)
+    o = tl.load(o_ptr + t * stride_o_t + sp[:, None] * stride_o_s + h * stride_o_h + dl[None, :],
+                mask=sp_ok[:, None], other=0.0)
+    num = tl.sum(o * wgt[:, None], axis=0)
+    res = tl.where(denom > 0, num / tl.where(denom > 0, denom, 1.0), 0.0)  # no selected entry: 0
+    tl.store(out_ptr + t * stride_out_t + h * stride_out_h + dl, res.to(out_ptr.dtype.element_ty))
+
+
+def _splits(T: int, head_tiles: int, topk: int, block_n: int, sms: int) -> int:
+    """Splits of the top-k entries so that T x head_tiles x splits fills about two waves of SMs."""
+    max_splits = max(1, topk // block_n)
+    want = triton.cdiv(2 * sms, max(1, T * head_tiles))
+    s = 1
+    while s < want and s * 2 <= max_splits and topk % (s * 2 * block_n) == 0:
+        s *= 2
+    return s
+
+
+def sparse_mla_decode_latent(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                             topk_indices: torch.Tensor, slot_mapping: torch.Tensor, q_len: int, kv_lora: int,
+                             scale: float, *, block_h: int | None = None, block_n: int = 64,
+                             splits: int | None = None, num_warps: int = 8) -> torch.Tensor:
+    """Absorbed sparse MLA decode: softmax(query . ctx * scale) @ ctx[:, :kv_lora] per head: [T, H, L] BF16.
+
+    query: [T, H, L+R] BF16 (absorbed q_nope | q_rope; unit inner stride); kv_cache:
+    [NB, BS, L+R] BF16 (unit inner stride); block_table: [B, MB]; topk_indices: [T, K] int32
+    positions in the request (-1 = none; K a multiple of ``block_n``); slot_mapping: [T]
+    (-1 = padding token: output 0). A token with no selected entry gets 0.
+    """
+    T, H, LR = query.shape
+    L, R = kv_lora, LR - kv_lora
+    K = topk_indices.shape[1]
+    # measured on the H200 (benchmarks/bench_dsa_kernels.py, docs/perf.md): 32 heads a program
+    # at a few tokens (more programs), 64 from 16 tokens on (each selected row read by fewer)
+    block_h = block_h or (64 if T >= 16 else 32)
+    out = torch.empty(T, H, L, dtype=query.dtype, device=query.device)
+    if T == 0:
+        return out
+    head_tiles = triton.cdiv(H, block_h)
+    sms = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else 8
+    n_split = splits or _splits(T, head_tiles, K, block_n, sms)
+    chunk = K // n_split
+    o_part = torch.empty(T, n_split, H, L, dtype=torch.float32, device=query.device)
+    m_part = torch.empty(T, n_split, H, dtype=torch.float32, device=query.device)
+    l_part = torch.empty_like(m_part)
+    _sparse_mla_kernel[(T, head_tiles, n_split)](
+        query, kv_cache, block_table, topk_indices, slot_mapping, o_part, m_part, l_part,
+        query.stride(0), query.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
+        topk_indices.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2), m_part.stride(0),
+        m_part.stride(1), float(scale),
+        Q_LEN=int(q_len), H=H, L=L, R=R, BS=kv_cache.shape[1], BLOCK_H=block_h, BLOCK_N=block_n, CHUNK=chunk,
+        F32=_INTERPRET, num_warps=num_warps)
+    _combine_kernel[(T, H)](
+        o_part, m_part, l_part, out, o_part.stride(0), o_part.stride(1), o_part.stride(2), m_part.stride(0),
+        m_part.stride(1), out.stride(0), out.stride(1), SPLITS=n_split, SP=triton.next_power_of_2(n_split), L=L,
+        num_warps=4)
+    return out
+
+
+@triton.jit
+def _absorb_kernel(q_ptr, w_ptr, out_ptr, T, stride_q_t, stride_q_h, stride_w_h, stride_w_n, stride_out_t,
+                   stride_out_h, NOPE: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BLOCK_T: tl.constexpr,
+                   F32: tl.constexpr):
+    h = tl.program_id(0)
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < T
+    t64 = t.to(tl.int64)
+    dn = tl.arange(0, NOPE)
+    dl = tl.arange(0, L)
+    dr = tl.arange(0, R)
+    q_rows = q_ptr + t64[:, None] * stride_q_t + h * stride_q_h
+    q_nope = tl.load(q_rows + dn[None, :], mask=t_ok[:, None], other=0.0)  # [BLOCK_T, NOPE]
+    w_uk = tl.load(w_ptr + h * stride_w_h + dn[:, None] * stride_w_n + dl[None, :])  # [NOPE, L]
+    q_lat = _mm(q_nope, w_uk, F32)  # [BLOCK_T, L] FP32
+    out_rows = out_ptr + t64[:, None] * stride_out_t + h * stride_out_h
+    tl.store(out_rows + dl[None, :], q_lat.to(out_ptr.dtype.element_ty), mask=t_ok[:, None])
+    q_rope = tl.load(q_rows + NOPE + dr[None, :], mask=t_ok[:, None], other=0.0)
+    tl.store(out_rows + L + dr[None, :], q_rope, mask=t_ok[:, None])
+
+
+def _block_t(T: int) -> int:
+    """Tokens per program of the per-head kernels: all of them up to 64 (each head's weight read once)."""
+    return min(64, max(16, triton.next_power_of_2(T)))
+
+
+def absorb_query(q: torch.Tensor, w_uk: torch.Tensor, *, block_t: int | None = None) -> torch.Tensor:
+    """The absorbed query ``[q_nope @ W_UK | q_rope]``, one launch: q [T, H, nope+R] BF16, w_uk [H, nope, L] -> [T, H, L+R].
+
+    FP32 accumulation, the latent part rounded once to BF16 (as the reference's ``absorb_query``).
+    """
+    T, H, NR = q.shape
+    nope, L = w_uk.shape[1], w_uk.shape[2]
+    out = torch.empty(T, H, L + NR - nope, dtype=q.dtype, device=q.device)
+    block_t = block_t or _block_t(T)
+    if T:
+        _absorb_kernel[(H, triton.cdiv(T, block_t))](
+            q, w_uk, out, T, q.stride(0), q.stride(1), w_uk.stride(0), w_uk.stride(1), out.stride(0), out.stride(1),
+            NOPE=nope, L=L, R=NR - nope, BLOCK_T=block_t, F32=_INTERPRET, num_warps=4 if block_t <= 16 else 8)
+    return out
+
+
+@triton.jit
+def _latent_insert_kernel(kv_ptr, w_ptr, slot_ptr, cache_ptr, stride_kv, stride_c_blk, stride_c_off, eps,
+                          BS: tl.constexpr, L: tl.constexpr, R: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        dl = tl.arange(0, L)
+        dr = tl.arange(0, R)
+        row = kv_ptr + t.to(tl.int64) * stride_kv
+        c = tl.load(row + dl).to(tl.float32)
+        y = c * tl.rsqrt(tl.sum(c * c, axis=0) / L + eps) * tl.load(w_ptr + dl).to(tl.float32)
+        dst = cache_ptr + (slot // BS) * stride_c_blk + (slot % BS) * stride_c_off
+        tl.store(dst + dl, y.to(cache_ptr.dtype.element_ty))
+        tl.store(dst + L + dr, tl.load(row + L + dr))
+
+
+def latent_insert(kv_a: torch.Tensor, norm_w: torch.Tensor, eps: float, kv_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """The latent entry ``[RMSNorm(c_kv) | k_rope]`` of each token written into the paged cache, one launch.
+
+    kv_a: [T, L+R] BF16 (unit inner stride); norm_w: [L]; kv_cache: [NB, BS, L+R] BF16;
+    slot_mapping: [T] (-1 = padding, nothing written). The norm is FP32, rounded once to BF16.
+    """
+    T, LR = kv_a.shape
+    L = norm_w.shape[0]
+    if T:
+        _latent_insert_kernel[(T,)](kv_a, norm_w, slot_mapping, kv_cache, kv_a.stride(0), kv_cache.stride(0),
+                                    kv_cache.stride(1), float(eps), BS=kv_cache.shape[1], L=L, R=LR - L, num_warps=4)
+
+
+@triton.jit
+def _uv_gate_kernel(o_ptr, w_ptr, g_ptr, out_ptr, T, stride_o_t, stride_o_h, stride_w_h, stride_w_v, stride_g,
+                    stride_out, L: tl.constexpr, V: tl.constexpr, BLOCK_T: tl.constexpr, F32: tl.constexpr):
+    h = tl.program_id(0)
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < T
+    t64 = t.to(tl.int64)
+    dl = tl.arange(0, L)
+    dv = tl.arange(0, V)
+    o = tl.load(o_ptr + t64[:, None] * stride_o_t + h * stride_o_h + dl[None, :], mask=t_ok[:, None], other=0.0)
+    w = tl.load(w_ptr + h * stride_w_h + dv[:, None] * stride_w_v + dl[None, :])  # [V, L]
+    y = _mm(o, tl.trans(w), F32).to(tl.bfloat16).to(tl.float32)  # W_UV output, BF16 as stock's
+    col = h * V + dv
+    gate = tl.load(g_ptr + t64[:, None] * stride_g + col[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
+    y = y / (1.0 + tl.exp(-gate))
+    tl.store(out_ptr + t64[:, None] * stride_out + col[None, :], y.to(out_ptr.dtype.element_ty), mask=t_ok[:, None])
+
+
+def uv_gate(o_lat: torch.Tensor, w_uv: torch.Tensor, gate: torch.Tensor, *, block_t: int | None = None) -> torch.Tensor:
+    """W_UV then ``* sigmoid(gate)``, one launch: o_lat [T, H, L] BF16, w_uv [H, v, L], gate [T, H*v] -> [T, H*v] BF16.
+
+    The W_UV product is rounded to BF16 before the gate (as stock's two steps round), the gate
+    product in FP32, rounded once.
+    """
+    T, H, L = o_lat.shape
+    V = w_uv.shape[1]
+    out = torch.empty(T, H * V, dtype=o_lat.dtype, device=o_lat.device)
+    block_t = block_t or _block_t(T)
+    if T == 0:
+        return out
+    _uv_gate_kernel[(H, triton.cdiv(T, block_t))](
+        o_lat, w_uv, gate, out, T, o_lat.stride(0), o_lat.stride(1), w_uv.stride(0), w_uv.stride(1), gate.stride(0),
+        out.stride(0), L=L, V=V, BLOCK_T=block_t, F32=_INTERPRET, num_warps=4 if block_t <= 16 else 8)
+    return out
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+def dsa_triton_unsupported(kv_cache: torch.Tensor, index_cache: torch.Tensor, *, index_heads: int, index_dim: int,
+                           kv_lora: int, nope: int, v_dim: int, topk: int, block_n: int = 64) -> str | None:
+    """Why these kernels cannot run a DSA step (None: they can). Shapes and strides only, no sync."""
+    if not kv_cache.is_cuda and not _INTERPRET:
+        return "not on CUDA"
+    R = kv_cache.shape[-1] - kv_lora
+    dims = dict(index_heads=index_heads, index_dim=index_dim, kv_lora=kv_lora, rope=R, nope=nope, v=v_dim)
+    if not all(_pow2(d) and d >= 16 or name == "index_heads" and _pow2(d) for name, d in dims.items()):
+        return f"dims {dims}: not all powers of two >= 16 (index heads: any power of two)"
+    if topk % block_n:
+        return f"topk {topk} not a multiple of {block_n}"
+    if kv_cache.dtype != torch.bfloat16 or kv_cache.stride(-1) != 1:
+        return "latent cache not BF16 with unit inner stride"
+    if index_cache.dtype != torch.float8_e4m3fn or index_cache.stride(-1) != 1:
+        return "index cache not FP8 e4m3 with unit inner stride"
+    return None

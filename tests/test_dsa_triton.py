@@ -1,0 +1,323 @@
+"""Tests of the Triton DSA kernels (``dep_compile.ops.dsa_triton``) against the readable references.
+
+Each case builds one DSA step on random data (never zeros): paged latent and FP8 index caches
+as strided views into pools (a spare layer interleaved in every block), requests whose context
+is shorter than top-k (select everything) and longer (select a subset), q_len 1 or 3, one
+padding token (slot -1). The references in ``dep_compile.stock.reference.dsa`` run on CPU copies.
+
+Checks and tolerances:
+
+* key insert (LayerNorm -> BF16 -> FP8 with a power-of-two scale): index cache and scales
+  bit-identical to the reference everywhere (the spare layer and unused blocks untouched);
+* logits: ``-inf`` exactly where a token sees no position; elsewhere within ``1e-5 * max|logit|``
+  of the reference (FP8 products are exact; only the FP32 summation order differs);
+* top-k on the reference logits: exactly ``select_topk`` of the reference (ascending, -1 padded,
+  short contexts select all), for every row;
+* sparse MLA latent output: relative Frobenius error <= 1e-2 and max abs <= 2e-2 against the
+  FP32 reference (the kernel feeds the softmax weights to the value dot in BF16, as flash
+  attention does; outputs are O(0.1)), padding tokens exactly 0.
+
+Full size (96 heads, latent 512 + 64, 32 index heads x 128, top-2048) runs on CUDA only
+(marked ``cuda``); ``TRITON_TEST_DEVICE=cpu TRITON_INTERPRET=1`` runs the small size in
+Triton's CPU interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dep_compile.stock.reference.common import fp8_pow2_quantize
+from dep_compile.stock.reference.dsa import index_logits as ref_index_logits
+from dep_compile.stock.reference.dsa import insert_index_keys, select_topk
+from dep_compile.stock.reference.mla import attend_latent, gather_context, token_positions
+
+_DEV = os.environ.get("TRITON_TEST_DEVICE", "cuda")
+pytestmark = [] if _DEV == "cpu" else [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+# heads, kv_lora, rope, index heads, index dim, topk, block size
+SIZES = {"full": (96, 512, 64, 32, 128, 2048, 64), "small": (4, 32, 16, 4, 32, 16, 4)}
+FP8 = torch.float8_e4m3fn
+
+
+def _interpreter_fp8_rne():
+    """Triton's CPU interpreter rounds FP32 -> FP8 e4m3 ties away (and worse near powers of two);
+    the GPU (and torch) round to nearest even: make the interpreter convert through torch."""
+    import numpy as np  # noqa: PLC0415
+    import triton.language as tl  # noqa: PLC0415
+    from triton.runtime import interpreter  # noqa: PLC0415
+
+    if getattr(interpreter, "_dsa_fp8_rne", False):
+        return
+    orig = interpreter._convert_float
+
+    def convert(x, src, dst, rounding_mode):
+        if src == tl.float32 and dst == tl.float8e4nv:
+            t = torch.from_numpy(np.ascontiguousarray(x).view(np.float32).copy()).to(FP8)
+            return t.view(torch.uint8).numpy()
+        return orig(x, src, dst, rounding_mode)
+
+    interpreter._convert_float = convert
+    interpreter._dsa_fp8_rne = True
+
+
+def _dt():
+    pytest.importorskip("triton")
+    if _DEV == "cpu":
+        from test_kda_triton import _interpreter_rne  # noqa: PLC0415
+
+        _interpreter_rne()
+        _interpreter_fp8_rne()
+    from dep_compile.ops import dsa_triton  # noqa: PLC0415 - CUDA / interpreter only
+
+    return dsa_triton
+
+
+def make_case(size: str, q_len: int, seed: int, device: str) -> dict:
+    """Random caches (pool views), metadata and step inputs for 3 requests (+1 padding token)."""
+    H, L, R, Hi, Di, topk, BS = SIZES[size]
+    g = torch.Generator().manual_seed(seed)
+    seq = [topk // 2 + q_len, topk + 3 * BS + q_len, 2 * topk + 5]  # short, a bit longer, long
+    B = len(seq)
+    MB = max(-(-s // BS) for s in seq)
+    NB = B * MB + 2
+    perm = torch.randperm(NB, generator=g)
+    block_table = perm[: B * MB].view(B, MB).to(torch.int32)
+    kv_pool = (torch.randn(NB, BS, 2, L + R, generator=g) * 0.5).to(torch.bfloat16)
+    idx_pool = (torch.randn(NB, BS, 2, Di, generator=g) * 4).clamp(-8, 8).to(FP8)
+    scl_pool = torch.rand(NB, BS, 2, generator=g) + 0.01
+    T = B * q_len
+    pos = token_positions(torch.tensor(seq), q_len)
+    slots = block_table.long()[torch.arange(T) // q_len, pos // BS] * BS + pos % BS
+    slots[T - 1 if q_len > 1 else 1] = -1  # one padding token
+    c = dict(
+        q_idx=torch.randn(T, Hi, Di, generator=g).to(torch.bfloat16),
+        weights=torch.randn(T, Hi, generator=g).to(torch.bfloat16),
+        k=(torch.randn(T, Di, generator=g) * 2 + 0.3).to(torch.bfloat16),
+        k_norm_w=(1 + 0.1 * torch.randn(Di, generator=g)).to(torch.bfloat16),
+        k_norm_b=(0.1 * torch.randn(Di, generator=g)).to(torch.bfloat16),
+        query=(torch.randn(T, H, L + R, generator=g) * 0.2).to(torch.bfloat16),
+        kv_pool=kv_pool, idx_pool=idx_pool, scl_pool=scl_pool, block_table=block_table,
+        seq_lens=torch.tensor(seq, dtype=torch.int32), slot_mapping=slots.to(torch.int64),
+    )
+    c = {n: t.to(device) for n, t in c.items()}
+    c.update(kv_cache=c["kv_pool"][:, :, 1], index_cache=c["idx_pool"][:, :, 1], index_scale=c["scl_pool"][:, :, 1],
+             q_len=q_len, L=L, topk=topk, scale=(192 ** -0.5))
+    return c
+
+
+def cpu(c: dict) -> dict:
+    """CPU copies of a case (pool views rebuilt on the copies)."""
+    d = {n: (t.detach().cpu().clone() if torch.is_tensor(t) else t) for n, t in c.items()}
+    d.update(kv_cache=d["kv_pool"][:, :, 1], index_cache=d["idx_pool"][:, :, 1], index_scale=d["scl_pool"][:, :, 1])
+    return d
+
+
+def ref_logits(c: dict) -> torch.Tensor:
+    """The reference logits of every token over all block-table positions (``-inf`` = not seen)."""
+    q_len = c["q_len"]
+    T, Hi, Di = c["q_idx"].shape
+    N = c["block_table"].shape[1] * c["index_cache"].shape[1]
+    q_fp8, q_scale = fp8_pow2_quantize(c["q_idx"])
+    w_fold = c["weights"].float() * q_scale * (Di ** -0.5) * (Hi ** -0.5)
+    pos = token_positions(c["seq_lens"], q_len)
+    out = torch.full((T, N), float("-inf"))
+    for t in range(T):
+        if int(c["slot_mapping"][t]) < 0:
+            continue
+        ctx = torch.arange(int(pos[t]) + 1)
+        keys = gather_context(c["index_cache"], c["block_table"], t // q_len, ctx)
+        scales = gather_context(c["index_scale"].unsqueeze(-1), c["block_table"], t // q_len, ctx).squeeze(-1)
+        out[t, : ctx.numel()] = ref_index_logits(q_fp8[t], w_fold[t], keys, scales)
+    return out
+
+
+CASES = [(size, q) for size in ("full", "small") for q in (1, 3)]
+if _DEV == "cpu":
+    CASES = [(s, q) for (s, q) in CASES if s == "small"]
+
+
+@pytest.mark.parametrize("size,q_len", CASES)
+def test_index_key_insert_bit_exact(size, q_len):
+    dt = _dt()
+    c = make_case(size, q_len, seed=1, device=_DEV)
+    r = cpu(c)
+    dt.index_key_insert(c["k"], c["k_norm_w"], c["k_norm_b"], 1e-6, c["index_cache"], c["index_scale"],
+                        c["slot_mapping"])
+    Di = r["k"].shape[1]
+    k = F.layer_norm(r["k"].float(), (Di,), r["k_norm_w"].float(), r["k_norm_b"].float(), 1e-6).to(torch.bfloat16)
+    insert_index_keys(k, r["index_cache"], r["index_scale"], r["slot_mapping"])
+    got = c["idx_pool"].cpu()
+    assert torch.equal(got.view(torch.uint8), r["idx_pool"].view(torch.uint8)), "index cache differs"
+    assert torch.equal(c["scl_pool"].cpu(), r["scl_pool"]), "index scales differ"
+
+
+@pytest.mark.parametrize("size,q_len", CASES)
+def test_index_logits_and_topk(size, q_len):
+    dt = _dt()
+    c = make_case(size, q_len, seed=2, device=_DEV)
+    r = cpu(c)
+    tiles = dict(block_n=16, steps=2) if size == "small" else {}  # small: several programs of several steps
+    got = dt.index_logits(c["q_idx"], c["weights"], c["index_cache"], c["index_scale"], c["block_table"],
+                          c["seq_lens"], c["slot_mapping"], q_len, **tiles).cpu()
+    ref = ref_logits(r)
+    assert torch.equal(torch.isinf(got), torch.isinf(ref)), "-inf pattern (visibility) differs"
+    fin = torch.isfinite(ref)
+    tol = 1e-5 * float(ref[fin].abs().max())
+    err = float((got[fin] - ref[fin]).abs().max())
+    assert err <= tol, f"logits max err {err:.3e} > {tol:.3e}"
+    sel = dt.select_topk_positions(ref.to(_DEV), c["topk"]).cpu()
+    pos = token_positions(r["seq_lens"], q_len)
+    for t in range(ref.shape[0]):
+        if int(r["slot_mapping"][t]) < 0:
+            assert (sel[t] == -1).all(), "padding token selects nothing"
+            continue
+        want = select_topk(ref[t, : int(pos[t]) + 1], c["topk"])
+        assert torch.equal(sel[t], want), f"token {t}: top-k differs"
+
+
+@pytest.mark.parametrize("size,q_len", CASES)
+def test_sparse_mla_latent(size, q_len):
+    dt = _dt()
+    c = make_case(size, q_len, seed=3, device=_DEV)
+    r = cpu(c)
+    topk = select_topk_like(r)
+    got = dt.sparse_mla_decode_latent(c["query"], c["kv_cache"], c["block_table"], topk.to(_DEV),
+                                      c["slot_mapping"], q_len, c["L"], c["scale"],
+                                      block_n=min(64, c["topk"])).float().cpu()
+    T, H, _ = r["query"].shape
+    ref = torch.zeros(T, H, c["L"])
+    for t in range(T):
+        s = topk[t][topk[t] >= 0].long()
+        if int(r["slot_mapping"][t]) < 0 or s.numel() == 0:
+            continue
+        ctx = gather_context(r["kv_cache"], r["block_table"], t // q_len, s)
+        ref[t] = attend_latent(r["query"][t], ctx, c["L"], c["scale"])
+    pad = r["slot_mapping"] < 0
+    assert (got[pad] == 0).all(), "padding tokens must be 0"
+    rel = float((got - ref).norm() / ref.norm())
+    mx = float((got - ref).abs().max())
+    assert rel <= 1e-2 and mx <= 2e-2, f"rel {rel:.2e} max {mx:.2e}"
+
+
+def select_topk_like(r: dict) -> torch.Tensor:
+    """A selection shaped like the indexer's: random positions each token sees, ascending, -1 padded."""
+    q_len, topk = r["q_len"], r["topk"]
+    pos = token_positions(r["seq_lens"], q_len)
+    g = torch.Generator().manual_seed(4)
+    out = torch.full((pos.numel(), topk), -1, dtype=torch.int32)
+    for t in range(pos.numel()):
+        n = int(pos[t]) + 1
+        k = min(n, topk) - (t % 2) * 3  # some rows with fewer than min(n, topk) entries
+        out[t, :k] = torch.randperm(n, generator=g)[:k].sort().values.to(torch.int32)
+    return out
+
+
+@pytest.mark.parametrize("size,T", [(s, t) for s in ("full", "small") for t in (1, 5, 40)
+                                    if _DEV != "cpu" or s == "small"])
+def test_uv_gate(size, T):
+    """W_UV + sigmoid(gate) in one launch vs the reference's project_out then the FP32 gate: every
+    element within two BF16 ulps (relative 2^-6: the two roundings of each side may each flip
+    by one ulp; only the FP32 summation order differs)."""
+    dt = _dt()
+    H, L = SIZES[size][:2]
+    V = 128 if size == "full" else 32
+    g = torch.Generator().manual_seed(5)
+    o_lat = (torch.randn(T, H, L, generator=g) * 0.3).to(torch.bfloat16)
+    kv_b = (torch.randn(H * (V + V), L, generator=g) * L ** -0.5).to(torch.bfloat16)  # nope = V here
+    gate = torch.randn(T, H * V, generator=g).to(torch.bfloat16)
+    from dep_compile.stock.reference.mla import project_out, split_kv_b  # noqa: PLC0415
+
+    _, w_uv = split_kv_b(kv_b, H, V)
+    ref = (project_out(o_lat.float(), w_uv, torch.bfloat16).float() * torch.sigmoid(gate.float())).to(torch.bfloat16)
+    got = dt.uv_gate(o_lat.to(_DEV), w_uv.to(_DEV), gate.to(_DEV)).cpu()
+    diff = (got.float() - ref.float()).abs()
+    worst = float((diff - 2 ** -6 * ref.float().abs()).max())
+    assert worst <= 1e-6, f"an element is {worst:.3e} beyond two BF16 ulps"
+
+
+def ulps(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """|got - ref| in BF16 ulps of ref (ulp = 2^(exponent - 7))."""
+    ref = ref.float()
+    return (got.float().cpu() - ref).abs() / torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(2 ** -126))) - 7)
+
+
+@pytest.mark.parametrize("size,q_len", CASES)
+def test_latent_insert(size, q_len):
+    """RMSNorm(c_kv) | k_rope into the paged cache: written rows within one BF16 ulp of the
+    reference (the FP32 sum of squares runs in another order), k_rope and every other entry
+    (other blocks, the interleaved spare layer) bit-identical."""
+    dt = _dt()
+    c = make_case(size, q_len, seed=6, device=_DEV)
+    r = cpu(c)
+    L, LR = c["L"], r["kv_pool"].shape[-1]
+    g = torch.Generator().manual_seed(7)
+    kv_a = torch.randn(r["slot_mapping"].shape[0], LR, generator=g).to(torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(L, generator=g)).to(torch.bfloat16)
+    dt.latent_insert(kv_a.to(_DEV), w.to(_DEV), 1e-6, c["kv_cache"], c["slot_mapping"])
+    latent = torch.cat([F.rms_norm(kv_a[:, :L].float(), (L,), w.float(), 1e-6).to(torch.bfloat16), kv_a[:, L:]], -1)
+    from dep_compile.stock.reference.mla import insert_rows  # noqa: PLC0415
+
+    insert_rows(r["kv_cache"], r["slot_mapping"], latent)
+    got = c["kv_pool"].cpu()
+    off = float(ulps(got, r["kv_pool"]).max())
+    assert off <= 1, f"an entry is {off:.2f} ulps off"
+    assert torch.equal(got[..., L:], r["kv_pool"][..., L:]), "k_rope or a spare entry differs"
+    assert torch.equal(got[:, :, 0], r["kv_pool"][:, :, 0]), "the spare layer was written"
+
+
+@pytest.mark.parametrize("size,T", [(s, t) for s in ("full", "small") for t in (1, 5, 40)
+                                    if _DEV != "cpu" or s == "small"])
+def test_absorb_query(size, T):
+    """[q_nope @ W_UK | q_rope] in one launch vs the reference's absorb_query: the latent part
+    within one BF16 ulp plus 1e-5 of its largest magnitude (only the FP32 summation order
+    differs; a sum that cancels to near 0 can be many of its own ulps off), q_rope bit-exact."""
+    dt = _dt()
+    H, L, R = SIZES[size][:3]
+    nope = 128 if size == "full" else 32
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(T, H, nope + R, generator=g).to(torch.bfloat16)
+    kv_b = (torch.randn(H * 2 * nope, L, generator=g) * nope ** -0.5).to(torch.bfloat16)  # v = nope here
+    from dep_compile.stock.reference.mla import absorb_query, split_kv_b  # noqa: PLC0415
+
+    w_uk, _ = split_kv_b(kv_b, H, nope)
+    ref = absorb_query(q, w_uk, nope)
+    got = dt.absorb_query(q.to(_DEV), w_uk.to(_DEV)).cpu()
+    lat, ref_lat = got[..., :L].float(), ref[..., :L].float()
+    ulp = torch.exp2(torch.floor(torch.log2(ref_lat.abs().clamp_min(2 ** -126))) - 7)
+    excess = float(((lat - ref_lat).abs() - ulp - 1e-5 * ref_lat.abs().max()).max())
+    assert excess <= 0, f"an element is {excess:.3e} beyond one ulp + 1e-5 max"
+    assert torch.equal(got[..., L:], ref[..., L:]), "q_rope not copied exactly"
+
+
+@pytest.mark.parametrize("N,topk", [(40, 16), (300, 16), (5000, 2048), (2000, 2048)]
+                         if _DEV != "cpu" else [(40, 16), (300, 16), (700, 64)])
+def test_select_topk_triton(N, topk):
+    """The one-launch radix top-k vs the reference's select_topk row by row, on rows with every
+    visibility: none (padding), fewer than topk, more; plus exact ties at the threshold (which
+    must be taken from the lowest positions) and negative, zero and positive logits."""
+    dt = _dt()
+    g = torch.Generator().manual_seed(N)
+    T = 6
+    x = torch.randn(T, N, generator=g) * 3
+    vis = [0, topk // 2, topk, min(N, topk + 5), N, N]
+    for t, v in enumerate(vis):
+        x[t, v:] = float("-inf")
+    x[5, :] = torch.randint(-3, 4, (N,), generator=g).float()  # massive ties
+    got = dt.select_topk_triton(x.to(_DEV), topk).cpu()
+    for t, v in enumerate(vis):
+        if t == 5:  # ties: the set is {> thr} plus the lowest positions == thr, ascending
+            vals = x[t]
+            thr = vals.sort(descending=True).values[min(topk, N) - 1]
+            above = (vals > thr).nonzero().flatten()
+            eq = (vals == thr).nonzero().flatten()[: topk - above.numel()]
+            want = torch.cat([above, eq]).sort().values.to(torch.int32)
+        else:
+            want = select_topk(x[t, :v], topk)
+        assert torch.equal(got[t], want), f"row {t} (visible {v})"
