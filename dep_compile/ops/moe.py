@@ -51,7 +51,12 @@ class EpMoeLayer:
         """Routed experts -> latent RMSNorm -> up-projection: [T, hidden] BF16."""
         routed = torch.ops.kimi_k3.routed_experts(latent, w13, w2, topk_w, topk_ids, self.expert_start,
                                                   self.ep_size, self.beta, self.beta_lin)
-        routed = F.rms_norm(routed.float(), (self.latent,), norm_w.float(), self.norm_eps).to(latent.dtype)
+        if routed.is_cuda:  # one Triton launch instead of cast, norm, cast
+            from .norm_triton import rms_norm_fused
+
+            routed = rms_norm_fused(routed, norm_w, self.norm_eps)
+        else:
+            routed = F.rms_norm(routed.float(), (self.latent,), norm_w.float(), self.norm_eps).to(latent.dtype)
         return F.linear(routed, up_w)
 
     def forward(self, x, front_ws, gate_w, bias, w13, w2, norm_w, up_w, shared_down_w) -> Tensor:
@@ -70,6 +75,8 @@ class EpMoeLayer:
         Events order the streams (graph-capturable: fork from and join to the capturing
         stream); tensors made on the side stream are recorded on main before main reads them.
         """
+        from .moe_triton import situ_fused
+
         main = torch.cuda.current_stream()
         side = _side_stream(x.device)
         forked = torch.cuda.Event()
@@ -84,7 +91,7 @@ class EpMoeLayer:
         front_ready.record(main)
         with torch.cuda.stream(side):
             side.wait_event(front_ready)
-            shared = F.linear(situ(gate_up, self.beta, self.beta_lin), shared_down_w)
+            shared = F.linear(situ_fused(gate_up, self.beta, self.beta_lin), shared_down_w)
             shared_ready = torch.cuda.Event()
             shared_ready.record(side)
         main.wait_event(routed_ready)
