@@ -1,0 +1,106 @@
+"""Tuning sweep of the Triton DSA kernels (``dep_compile.ops.dsa_triton``) at full K3.1 size.
+
+    python benchmarks/bench_dsa_kernels.py [--tokens 1 16 64] [--context 4096 32768] [--out DIR]
+
+For each (tokens, context) point (one token per request, block size 64) it times, with CUDA
+events over CUDA-graph replays (medians, ``common.time_graph``), every listed configuration of
+
+* ``index_logits`` (keys per step, steps per program, warps),
+* top-k: torch (``select_topk_positions``: topk + sort) against the one-launch radix select
+  (``select_topk_triton``, chunk size, warps),
+* ``sparse_mla_decode_latent`` (heads per program, entries per step, warps),
+
+and prints µs per configuration, the best, and the bytes each must move (keys at 132 B per
+position; selected latents at 1152 B per entry) as TB/s. At small points the caches fit in
+L2, so those TB/s are optimistic; the sweep picks configurations, the layer harness
+(``bench_attention.py``) gives the numbers that count. Writes ``dsa_kernels.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import format_table, time_graph, write_json  # noqa: E402
+
+H, L, R, HI, DI, TOPK, BS = 96, 512, 64, 32, 128, 2048, 64
+
+
+def make_case(T: int, ctx: int, seed: int = 0) -> dict:
+    """Random full-size inputs for T single-token requests of ``ctx`` tokens each."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dev = "cuda"
+    mb = -(-ctx // BS)
+    nb = T * mb
+    block_table = torch.randperm(nb, device=dev, generator=g).view(T, mb).to(torch.int32)
+    seq = torch.full((T,), ctx, dtype=torch.int32, device=dev)
+    pos = seq.long() - 1
+    slots = block_table.long()[torch.arange(T, device=dev), pos // BS] * BS + pos % BS
+    return dict(
+        q_idx=torch.randn(T, HI, DI, device=dev, generator=g).to(torch.bfloat16),
+        weights=torch.randn(T, HI, device=dev, generator=g).to(torch.bfloat16),
+        index_cache=(torch.randn(nb, BS, DI, device=dev, generator=g) * 4).clamp(-8, 8).to(torch.float8_e4m3fn),
+        index_scale=torch.rand(nb, BS, device=dev, generator=g) + 0.01,
+        kv_cache=(torch.randn(nb, BS, L + R, device=dev, generator=g) * 0.5).to(torch.bfloat16),
+        query=(torch.randn(T, H, L + R, device=dev, generator=g) * 0.2).to(torch.bfloat16),
+        block_table=block_table, seq_lens=seq, slot_mapping=slots,
+    )
+
+
+def sweep(name: str, configs: list[dict], fn, nbytes: float, T: int, ctx: int) -> list[dict]:
+    """Time ``fn(**config)`` for every config; print and return the rows."""
+    rows = []
+    for cfg in configs:
+        try:
+            us = time_graph(lambda i, cfg=cfg: fn(**cfg), 20)["median_us"]
+            rows.append(dict(kernel=name, tokens=T, context=ctx, config=cfg, us=us, tbps=nbytes / us / 1e6))
+        except Exception as e:  # noqa: BLE001 - a config that does not compile (registers, smem) is skipped
+            rows.append(dict(kernel=name, tokens=T, context=ctx, config=cfg, error=f"{type(e).__name__}: {e}"[:200]))
+    best = min((r for r in rows if "us" in r), key=lambda r: r["us"], default=None)
+    print(format_table([f"{name} T={T} ctx={ctx}", "µs", "TB/s"],
+                       [[str(r["config"]), f"{r['us']:.1f}" if "us" in r else r["error"][:60],
+                        f"{r['tbps']:.2f}" if "us" in r else "-"] for r in rows]), flush=True)
+    if best:
+        print(f"best {name}: {best['config']} {best['us']:.1f} µs", flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--context", type=int, nargs="+", default=[4096, 32768])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    from dep_compile.ops import dsa_triton as dt  # noqa: PLC0415 - CUDA only
+
+    results = []
+    for T, ctx in itertools.product(args.tokens, args.context):
+        c = make_case(T, ctx)
+        key_bytes = T * ctx * (DI + 4)
+        logits_fn = lambda **k: dt.index_logits(c["q_idx"], c["weights"], c["index_cache"], c["index_scale"],  # noqa: E731
+                                                c["block_table"], c["seq_lens"], c["slot_mapping"], 1, **k)
+        results += sweep("index_logits", [dict(block_n=b, steps=s, num_warps=w) for b in (64, 128) for s in (1, 4, 8)
+                                          for w in (4, 8)], logits_fn, key_bytes, T, ctx)
+        logits = logits_fn()
+        topk_torch = lambda: dt.select_topk_positions(logits, TOPK)  # noqa: E731
+        results += sweep("topk_torch", [{}], topk_torch, T * ctx * 4, T, ctx)
+        results += sweep("topk_triton", [dict(block=b, num_warps=w) for b in (1024, 2048, 4096) for w in (4, 8, 16)],
+                         lambda **k: dt.select_topk_triton(logits, TOPK, **k), T * ctx * 4, T, ctx)
+        assert torch.equal(dt.select_topk_triton(logits, TOPK), topk_torch()), "top-k kernels disagree"
+        topk = topk_torch()
+        mla_fn = lambda **k: dt.sparse_mla_decode_latent(c["query"], c["kv_cache"], c["block_table"], topk,  # noqa: E731
+                                                         c["slot_mapping"], 1, L, 192 ** -0.5, **k)
+        configs = [dict(block_h=h, block_n=n, num_warps=w) for h in (16, 32, 64) for n in (32, 64) for w in (4, 8)]
+        results += sweep("sparse_mla", configs, mla_fn, T * min(ctx, TOPK) * (L + R) * 2, T, ctx)
+        del c, logits
+        torch.cuda.empty_cache()
+    write_json(os.path.join(args.out, "dsa_kernels.json"), {"results": results})
+
+
+if __name__ == "__main__":
+    main()
