@@ -153,7 +153,7 @@ def _kda_decode_kernel(
     new_k = _window(cs_base + HD, stride_cs_w, k_ptr, stride_k, tok0, acc, ch, ok, W, WP, W - 1)
     new_v = _window(cs_base + 2 * HD, stride_cs_w, v_ptr, stride_v, tok0, acc, ch, ok, W, WP, W - 1)
 
-    for t in tl.static_range(Q_LEN):
+    for t in tl.range(Q_LEN):  # a loop, not unrolled: unrolled verify steps spill registers
         tok = (tok0 + t).to(tl.int64)
         qc = _conv_silu(cs_base, stride_cs_w, q_ptr, stride_q, tok0, t, ch, ok, cw_q, W, WP)
         kc = _conv_silu(cs_base + HD, stride_cs_w, k_ptr, stride_k, tok0, t, ch, ok, cw_k, W, WP)
