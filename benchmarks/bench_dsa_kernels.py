@@ -5,10 +5,10 @@
 For each (tokens, context) point (one token per request, block size 64) it times, with CUDA
 events over CUDA-graph replays (medians, ``common.time_graph``), every listed configuration of
 
-* ``index_logits`` (keys per step, steps per program, warps),
+* ``index_logits`` (keys per step, steps per program, warps, pipeline stages),
 * top-k: torch (``select_topk_positions``: topk + sort) against the one-launch radix select
   (``select_topk_triton``, chunk size, warps),
-* ``sparse_mla_decode_latent`` (heads per program, entries per step, warps),
+* ``sparse_mla_decode_latent`` (heads per program, entries per step, warps, pipeline stages),
 
 and prints µs per configuration, the best, and the bytes each must move (keys at 132 B per
 position; selected latents at 1152 B per entry) as TB/s. At small points the caches fit in
@@ -84,8 +84,9 @@ def main() -> None:
         key_bytes = T * ctx * (DI + 4)
         logits_fn = lambda **k: dt.index_logits(c["q_idx"], c["weights"], c["index_cache"], c["index_scale"],  # noqa: E731
                                                 c["block_table"], c["seq_lens"], c["slot_mapping"], 1, **k)
-        results += sweep("index_logits", [dict(block_n=b, steps=s, num_warps=w) for b in (64, 128) for s in (1, 4, 8)
-                                          for w in (4, 8)], logits_fn, key_bytes, T, ctx)
+        results += sweep("index_logits", [dict(block_n=b, steps=s, num_warps=w, num_stages=ns) for b in (64, 128)
+                                          for s in (1, 4, 16) for w in (4, 8) for ns in (2, 3)],
+                         logits_fn, key_bytes, T, ctx)
         logits = logits_fn()
         topk_torch = lambda: dt.select_topk_positions(logits, TOPK)  # noqa: E731
         results += sweep("topk_torch", [{}], topk_torch, T * ctx * 4, T, ctx)
@@ -95,7 +96,8 @@ def main() -> None:
         topk = topk_torch()
         mla_fn = lambda **k: dt.sparse_mla_decode_latent(c["query"], c["kv_cache"], c["block_table"], topk,  # noqa: E731
                                                          c["slot_mapping"], 1, L, 192 ** -0.5, **k)
-        configs = [dict(block_h=h, block_n=n, num_warps=w) for h in (16, 32, 64) for n in (32, 64) for w in (4, 8)]
+        configs = [dict(block_h=h, block_n=n, num_warps=w, num_stages=ns) for h in (32, 64) for n in (32, 64)
+                   for w in (4, 8) for ns in (1, 2, 3)]
         results += sweep("sparse_mla", configs, mla_fn, T * min(ctx, TOPK) * (L + R) * 2, T, ctx)
         del c, logits
         torch.cuda.empty_cache()

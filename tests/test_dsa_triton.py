@@ -297,7 +297,7 @@ def test_absorb_query(size, T):
 
 
 @pytest.mark.parametrize("N,topk", [(40, 16), (300, 16), (5000, 2048), (2000, 2048)]
-                         if _DEV != "cpu" else [(40, 16), (300, 16), (700, 64)])
+                         if _DEV != "cpu" else [(40, 16), (300, 16), (700, 64), (50, 64)])
 def test_select_topk_triton(N, topk):
     """The one-launch radix top-k vs the reference's select_topk row by row, on rows with every
     visibility: none (padding), fewer than topk, more; plus exact ties at the threshold (which
@@ -317,7 +317,8 @@ def test_select_topk_triton(N, topk):
             thr = vals.sort(descending=True).values[min(topk, N) - 1]
             above = (vals > thr).nonzero().flatten()
             eq = (vals == thr).nonzero().flatten()[: topk - above.numel()]
-            want = torch.cat([above, eq]).sort().values.to(torch.int32)
+            want = torch.full((topk,), -1, dtype=torch.int32)
+            want[: above.numel() + eq.numel()] = torch.cat([above, eq]).sort().values.to(torch.int32)
         else:
             want = select_topk(x[t, :v], topk)
         assert torch.equal(got[t], want), f"row {t} (visible {v})"

@@ -159,7 +159,8 @@ def _index_logits_kernel(q_ptr, wt_ptr, cache_ptr, scale_ptr, bt_ptr, seq_ptr, s
 
 def index_logits(q_idx: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor, index_scale: torch.Tensor,
                  block_table: torch.Tensor, seq_lens: torch.Tensor, slot_mapping: torch.Tensor, q_len: int,
-                 *, block_n: int = 128, steps: int = 4, num_warps: int = 8) -> torch.Tensor:
+                 *, block_n: int = 128, steps: int | None = None, num_warps: int = 8,
+                 num_stages: int = 2) -> torch.Tensor:
     """Indexer logits of every step token over its request's cached positions: [T, MB*BS] FP32.
 
     q_idx: [T, Hi, Di] BF16 (unit inner stride); weights: [T, Hi] (weights_proj output);
@@ -175,7 +176,11 @@ def index_logits(q_idx: torch.Tensor, weights: torch.Tensor, index_cache: torch.
     if T == 0 or N == 0:
         return out
     qp = max(triton.next_power_of_2(q_len), triton.cdiv(16, Hi))  # tl.dot needs >= 16 query rows
-    steps = max(1, min(steps, triton.cdiv(N, block_n)))
+    blocks = triton.cdiv(N, block_n)
+    if steps is None:  # several key blocks a program (queries quantized once) while the grid fills the GPU
+        sms = torch.cuda.get_device_properties(q_idx.device).multi_processor_count if q_idx.is_cuda else 8
+        steps = max(1, min(16, B * blocks // (2 * sms)))
+    steps = max(1, min(steps, blocks))
     grid = (B, triton.cdiv(N, block_n * steps))
     _index_logits_kernel[grid](
         q_idx, weights, index_cache, index_scale, block_table, seq_lens, slot_mapping, out,
@@ -183,7 +188,7 @@ def index_logits(q_idx: torch.Tensor, weights: torch.Tensor, index_cache: torch.
         index_scale.stride(0), index_scale.stride(1), block_table.stride(0), out.stride(0),
         float((Di ** -0.5) * (Hi ** -0.5)), N,
         Q_LEN=int(q_len), QP=qp, HI=Hi, DI=Di, BS=BS, BLOCK_N=block_n, STEPS=steps, F32=_INTERPRET,
-        num_warps=num_warps)
+        num_warps=num_warps, num_stages=num_stages)
     return out
 
 
@@ -370,7 +375,7 @@ def _splits(T: int, head_tiles: int, topk: int, block_n: int, sms: int) -> int:
 def sparse_mla_decode_latent(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                              topk_indices: torch.Tensor, slot_mapping: torch.Tensor, q_len: int, kv_lora: int,
                              scale: float, *, block_h: int | None = None, block_n: int = 64,
-                             splits: int | None = None, num_warps: int = 8) -> torch.Tensor:
+                             splits: int | None = None, num_warps: int = 8, num_stages: int = 3) -> torch.Tensor:
     """Absorbed sparse MLA decode: softmax(query . ctx * scale) @ ctx[:, :kv_lora] per head: [T, H, L] BF16.
 
     query: [T, H, L+R] BF16 (absorbed q_nope | q_rope; unit inner stride); kv_cache:
@@ -400,7 +405,7 @@ def sparse_mla_decode_latent(query: torch.Tensor, kv_cache: torch.Tensor, block_
         topk_indices.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2), m_part.stride(0),
         m_part.stride(1), float(scale),
         Q_LEN=int(q_len), H=H, L=L, R=R, BS=kv_cache.shape[1], BLOCK_H=block_h, BLOCK_N=block_n, CHUNK=chunk,
-        F32=_INTERPRET, num_warps=num_warps)
+        F32=_INTERPRET, num_warps=num_warps, num_stages=num_stages)
     _combine_kernel[(T, H)](
         o_part, m_part, l_part, out, o_part.stride(0), o_part.stride(1), o_part.stride(2), m_part.stride(0),
         m_part.stride(1), out.stride(0), out.stride(1), SPLITS=n_split, SP=triton.next_power_of_2(n_split), L=L,
