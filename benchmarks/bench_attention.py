@@ -1,7 +1,7 @@
 """One K3.1 attention layer (KDA or DSA) on the GPU: stock compiled by plain Inductor vs kimi_dep.
 
     python benchmarks/bench_attention.py --kind kda|dsa [--rows 1 2 4 8 16 32 64] [--q 1 2 4]
-        [--context 4096 32768] [--block-size 64] [--out DIR]
+        [--context 4096 32768] [--block-size 64] [--profile] [--out DIR]
 
 One full-size ``preset("k31")`` layer with random BF16 weights: ``--kind kda`` is a
 KimiDeltaAttention, ``--kind dsa`` a KimiDSAAttention, wrapped in :class:`AttentionBlock` (x,
@@ -52,7 +52,8 @@ Activations ([T, 7168] in and out) are left out: about 7 MB at 256 tokens.
 Printed per point: kind, rows, q, context, stock µs, kimi_dep µs, stock / kimi_dep,
 kimi_dep / floor@4.33, both floors, output and cache errors. Writes ``attention_<kind>.json``
 (after every point) and ``attention_<kind>.png`` (µs vs rows per (q, context)) under ``--out``.
-A point that fails (compile, OOM, a stray cache write) is printed and recorded, and the run goes
+``--profile`` also prints each side's top kernels (µs per step) from a profiled CUDA-graph
+replay (``common.kernel_profile``). A point that fails (compile, OOM, a stray cache write) is printed and recorded, and the run goes
 on; a version whose timing fails (an op that still syncs the host under CUDA-graph capture) is
 recorded as missing with its error, and the other version is still timed.
 """
