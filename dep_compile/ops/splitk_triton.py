@@ -80,7 +80,7 @@ __all__ = [
     "splitk_block_m",
     "splitk_grid",
     "splitk_num_stages",
-    "splitk_reference",
+    "fp32_linear_oracle",
 ]
 
 _MAX_BLOCK_M = 64
@@ -344,6 +344,6 @@ def splitk_linear(
     return out
 
 
-def splitk_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def fp32_linear_oracle(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The FP32 reference ``x.float() @ w.float().T`` ([M, N] fp32) the kernel is checked against."""
     return torch.mm(x.float(), w.float().t())
