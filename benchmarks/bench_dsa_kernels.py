@@ -70,6 +70,29 @@ def sweep(name: str, configs: list[dict], fn, nbytes: float, T: int, ctx: int) -
     return rows
 
 
+def sweep_point(dt, T: int, ctx: int) -> list[dict]:
+    """Every kernel's sweep at one (tokens, context) point (its tensors freed on return)."""
+    c = make_case(T, ctx)
+    key_bytes = T * ctx * (DI + 4)
+    logits_fn = lambda **k: dt.index_logits(c["q_idx"], c["weights"], c["index_cache"], c["index_scale"],  # noqa: E731
+                                            c["block_table"], c["seq_lens"], c["slot_mapping"], 1, **k)
+    results = sweep("index_logits", [dict(block_n=b, steps=s, num_warps=w, num_stages=ns) for b in (64, 128)
+                                     for s in (1, 4, 16) for w in (4, 8) for ns in (2, 3)],
+                    logits_fn, key_bytes, T, ctx)
+    logits = logits_fn()
+    topk_torch = lambda: dt.select_topk_positions(logits, TOPK)  # noqa: E731
+    results += sweep("topk_torch", [{}], topk_torch, T * ctx * 4, T, ctx)
+    results += sweep("topk_triton", [dict(block=b, num_warps=w) for b in (1024, 2048, 4096) for w in (4, 8, 16)],
+                     lambda **k: dt.select_topk_triton(logits, TOPK, **k), T * ctx * 4, T, ctx)
+    assert torch.equal(dt.select_topk_triton(logits, TOPK), topk_torch()), "top-k kernels disagree"
+    topk = topk_torch()
+    mla_fn = lambda **k: dt.sparse_mla_decode_latent(c["query"], c["kv_cache"], c["block_table"], topk,  # noqa: E731
+                                                     c["slot_mapping"], 1, L, 192 ** -0.5, **k)
+    configs = [dict(block_h=h, block_n=n, num_warps=w, num_stages=ns) for h in (32, 64) for n in (32, 64)
+               for w in (4, 8) for ns in (1, 2, 3)]
+    return results + sweep("sparse_mla", configs, mla_fn, T * min(ctx, TOPK) * (L + R) * 2, T, ctx)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64])
@@ -80,26 +103,7 @@ def main() -> None:
 
     results = []
     for T, ctx in itertools.product(args.tokens, args.context):
-        c = make_case(T, ctx)
-        key_bytes = T * ctx * (DI + 4)
-        logits_fn = lambda **k: dt.index_logits(c["q_idx"], c["weights"], c["index_cache"], c["index_scale"],  # noqa: E731
-                                                c["block_table"], c["seq_lens"], c["slot_mapping"], 1, **k)
-        results += sweep("index_logits", [dict(block_n=b, steps=s, num_warps=w, num_stages=ns) for b in (64, 128)
-                                          for s in (1, 4, 16) for w in (4, 8) for ns in (2, 3)],
-                         logits_fn, key_bytes, T, ctx)
-        logits = logits_fn()
-        topk_torch = lambda: dt.select_topk_positions(logits, TOPK)  # noqa: E731
-        results += sweep("topk_torch", [{}], topk_torch, T * ctx * 4, T, ctx)
-        results += sweep("topk_triton", [dict(block=b, num_warps=w) for b in (1024, 2048, 4096) for w in (4, 8, 16)],
-                         lambda **k: dt.select_topk_triton(logits, TOPK, **k), T * ctx * 4, T, ctx)
-        assert torch.equal(dt.select_topk_triton(logits, TOPK), topk_torch()), "top-k kernels disagree"
-        topk = topk_torch()
-        mla_fn = lambda **k: dt.sparse_mla_decode_latent(c["query"], c["kv_cache"], c["block_table"], topk,  # noqa: E731
-                                                         c["slot_mapping"], 1, L, 192 ** -0.5, **k)
-        configs = [dict(block_h=h, block_n=n, num_warps=w, num_stages=ns) for h in (32, 64) for n in (32, 64)
-                   for w in (4, 8) for ns in (1, 2, 3)]
-        results += sweep("sparse_mla", configs, mla_fn, T * min(ctx, TOPK) * (L + R) * 2, T, ctx)
-        del c, logits
+        results += sweep_point(dt, T, ctx)
         torch.cuda.empty_cache()
     write_json(os.path.join(args.out, "dsa_kernels.json"), {"results": results})
 

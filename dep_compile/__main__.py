@@ -16,7 +16,6 @@ def _op_counts(gm) -> collections.Counter:
 
 def explain(preset_name: str, kinds: tuple[str, ...], dump: str | None, q_len: int, batch: int) -> int:
     from dep_compile.backend import kimi_dep
-    from dep_compile.debug.dump import graph_code
     from dep_compile.stock import KimiCache, RequestBatch, build_model, preset
 
     cfg = preset(preset_name)

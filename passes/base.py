@@ -14,8 +14,8 @@ from dep_compile.config import DepOptions
 from dep_compile.debug.report import LayerMatch
 from dep_compile.ops.packing import pack_params
 
-from .fx_match import (AF_V2, NoMatch, base_outputs, functionalized_op, getitem_of, is_call, is_cast,
-                       is_functionalized, layer_index, module_path, require, val)
+from .fx_match import (AF_V2, NoMatch, base_outputs, is_call, is_functionalized, layer_index, module_path, require,
+                       val)
 
 Node = fx.Node
 

@@ -24,7 +24,6 @@ Triton's CPU interpreter.
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -35,45 +34,17 @@ from dep_compile.stock.reference.dsa import index_logits as ref_index_logits
 from dep_compile.stock.reference.dsa import insert_index_keys, select_topk
 from dep_compile.stock.reference.mla import attend_latent, gather_context, token_positions
 
-_DEV = os.environ.get("TRITON_TEST_DEVICE", "cuda")
-pytestmark = [] if _DEV == "cpu" else [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+from triton_device import DEVICE_MARKS, TRITON_DEV as _DEV, ulps, use_triton
+
+pytestmark = DEVICE_MARKS
 
 # heads, kv_lora, rope, index heads, index dim, topk, block size
 SIZES = {"full": (96, 512, 64, 32, 128, 2048, 64), "small": (4, 32, 16, 4, 32, 16, 4)}
 FP8 = torch.float8_e4m3fn
 
 
-def _interpreter_fp8_rne():
-    """Triton's CPU interpreter rounds FP32 -> FP8 e4m3 ties away (and worse near powers of two);
-    the GPU (and torch) round to nearest even: make the interpreter convert through torch."""
-    import numpy as np  # noqa: PLC0415
-    import triton.language as tl  # noqa: PLC0415
-    from triton.runtime import interpreter  # noqa: PLC0415
-
-    if getattr(interpreter, "_dsa_fp8_rne", False):
-        return
-    orig = interpreter._convert_float
-
-    def convert(x, src, dst, rounding_mode):
-        if src == tl.float32 and dst == tl.float8e4nv:
-            t = torch.from_numpy(np.ascontiguousarray(x).view(np.float32).copy()).to(FP8)
-            return t.view(torch.uint8).numpy()
-        return orig(x, src, dst, rounding_mode)
-
-    interpreter._convert_float = convert
-    interpreter._dsa_fp8_rne = True
-
-
 def _dt():
-    pytest.importorskip("triton")
-    if _DEV == "cpu":
-        from test_kda_triton import _interpreter_rne  # noqa: PLC0415
-
-        _interpreter_rne()
-        _interpreter_fp8_rne()
+    use_triton()
     from dep_compile.ops import dsa_triton  # noqa: PLC0415 - CUDA / interpreter only
 
     return dsa_triton
@@ -240,12 +211,6 @@ def test_uv_gate(size, T):
     diff = (got.float() - ref.float()).abs()
     worst = float((diff - 2 ** -6 * ref.float().abs()).max())
     assert worst <= 1e-6, f"an element is {worst:.3e} beyond two BF16 ulps"
-
-
-def ulps(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """|got - ref| in BF16 ulps of ref (ulp = 2^(exponent - 7))."""
-    ref = ref.float()
-    return (got.float().cpu() - ref).abs() / torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(2 ** -126))) - 7)
 
 
 @pytest.mark.parametrize("size,q_len", CASES)

@@ -28,7 +28,6 @@ runs the same checks in Triton's CPU interpreter (small size).
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -36,43 +35,17 @@ import torch.nn.functional as F
 
 from dep_compile.stock.reference.kda import kda_core_ref
 
-_DEV = os.environ.get("TRITON_TEST_DEVICE", "cuda")
+from triton_device import DEVICE_MARKS, TRITON_DEV as _DEV, use_triton
 
-pytestmark = [] if _DEV == "cpu" else [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = DEVICE_MARKS
 
 OUT_REL, OUT_ABS, STATE_REL = 1e-2, 0.05, 1e-3
 LOWER_BOUND, NORM_EPS, W = -5.0, 1e-5, 4
 SIZES = {"full": (96, 128, 128), "small": (4, 32, 32)}
 
 
-def _interpreter_rne():
-    """Triton's CPU interpreter truncates FP32 -> BF16; the GPU (and torch) round to nearest even.
-    Make the interpreter round like the GPU so the CPU run checks the same numerics."""
-    import numpy as np  # noqa: PLC0415
-    import triton.language as tl  # noqa: PLC0415
-    from triton.runtime import interpreter  # noqa: PLC0415
-
-    if getattr(interpreter, "_kda_rne", False):
-        return
-    orig = interpreter._convert_float
-
-    def convert(x, src, dst, rounding_mode):
-        if src == tl.float32 and dst == tl.bfloat16:
-            t = torch.from_numpy(np.ascontiguousarray(x).view(np.float32).copy()).to(torch.bfloat16)
-            return t.view(torch.int16).numpy().view(np.uint16)
-        return orig(x, src, dst, rounding_mode)
-
-    interpreter._convert_float = convert
-    interpreter._kda_rne = True
-
-
 def _kt():
-    pytest.importorskip("triton")
-    if _DEV == "cpu":
-        _interpreter_rne()
+    use_triton()
     from dep_compile.ops import kda_triton  # noqa: PLC0415 - CUDA-only module
 
     return kda_triton

@@ -8,7 +8,6 @@ small width in Triton's CPU interpreter with ``TRITON_TEST_DEVICE=cpu TRITON_INT
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -16,31 +15,22 @@ import torch.nn.functional as F
 
 from dep_compile.stock.layers import situ
 
-_DEV = os.environ.get("TRITON_TEST_DEVICE", "cuda")
-pytestmark = [] if _DEV == "cpu" else [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+from triton_device import DEVICE_MARKS, TRITON_DEV as _DEV, ulps, use_triton
+
+pytestmark = DEVICE_MARKS
 WIDTHS = [w for w in ((6144, 3584), (100, 72)) if _DEV != "cpu" or w[0] < 1000]
 
 
 def _mt():
-    pytest.importorskip("triton")
-    if _DEV == "cpu":
-        from test_kda_triton import _interpreter_rne  # noqa: PLC0415
-
-        _interpreter_rne()
+    use_triton()
     from dep_compile.ops import moe_triton  # noqa: PLC0415 - CUDA / interpreter only
 
     return moe_triton
 
 
 def within_one_ulp(got: torch.Tensor, ref: torch.Tensor) -> None:
-    """Every element of ``got`` within one BF16 ulp of ``ref`` (ulp = 2^(exponent - 7))."""
-    ref = ref.float()
-    diff = (got.float().cpu() - ref).abs()
-    ulp = torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(2 ** -126))) - 7)
-    worst = float((diff / ulp).max())
+    """Every element of ``got`` within one BF16 ulp of ``ref``."""
+    worst = float(ulps(got, ref).max())
     assert worst <= 1, f"an element is {worst:.2f} BF16 ulps off"
 
 
@@ -57,7 +47,7 @@ def test_situ_fused(inter, latent, T):
 @pytest.mark.parametrize("inter,latent", WIDTHS)
 @pytest.mark.parametrize("T", [1, 7, 64])
 def test_rms_norm_fused(inter, latent, T):
-    mt = _mt()
+    _mt()
     g = torch.Generator().manual_seed(T + 1)
     x = (torch.randn(T, latent, generator=g) * 2).to(torch.bfloat16)
     w = (1 + 0.1 * torch.randn(latent, generator=g)).to(torch.bfloat16)

@@ -7,7 +7,6 @@ import torch
 
 from dep_compile.stock import KimiCache, RequestBatch, build_model, preset
 
-from helpers import run_pair
 
 
 def _graph_ops(cfg, options=None):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from dep_compile.stock import preset
 from dep_compile.tactics import DEP_OPROJ, DEP_PROJECTION, SplitK

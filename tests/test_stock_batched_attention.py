@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 import pytest
 import torch
@@ -42,16 +41,13 @@ from dep_compile.stock.batched_attention import dsa_indexer_batched, mla_decode_
 from dep_compile.stock.reference.common import FP8, fp8_pow2_quantize
 from dep_compile.stock.reference.dsa import dsa_indexer_ref, index_logits, sparse_mla_decode_ref
 from dep_compile.stock.reference.mla import gather_context, insert_rows, mla_decode_ref, token_positions
+from triton_device import TRITON_DEV as _TRITON_DEV, device_test, use_triton
 
 ops = torch.ops.kimi_k3
 BF16 = torch.bfloat16
 OUT_REL = 2.0 ** -6  # max |out - ref| / max |ref|
 LOGIT_REL = 1e-5  # near-tie tolerance of index logits, relative to the token's max |logit|
 POOLS = ("kv_pool", "idx_pool", "scl_pool")
-
-_TRITON_DEV = os.environ.get("TRITON_TEST_DEVICE", "cuda")
-triton_device = (pytest.mark.cuda if _TRITON_DEV == "cuda" else
-                 pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,10 +230,11 @@ def test_indexer_table_narrower_than_topk_cpu():
     compare_to_references(c, "cpu", mla_decode_batched, dsa_indexer_batched, sparse_mla_decode_batched)
 
 
-@triton_device
+@device_test
 @pytest.mark.parametrize("kind", ["kv", "index", "scale"])
 def test_insert_rows_triton_matches_reference(kind):
     """The Triton insert into pooled (strided) caches from strided rows: bit-identical to insert_rows."""
+    use_triton()
     from dep_compile.stock.paged_insert import insert_rows_triton  # noqa: PLC0415
 
     g = torch.Generator().manual_seed(3)

@@ -29,7 +29,6 @@ kernel too, where fla imports). The torch recurrence is also checked on CPU on e
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -37,11 +36,7 @@ import torch
 from dep_compile.stock.reference.common import l2_normalize
 from dep_compile.stock.reference.kda import causal_conv_step, decay_gate, delta_rule, kda_core_ref
 
-_DEV = os.environ.get("TRITON_TEST_DEVICE", "cuda")
-DEVICE_MARKS = [] if _DEV == "cpu" else [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+from triton_device import TRITON_DEV as _DEV, device_test, use_triton
 
 OUT_REL, OUT_ABS, STATE_REL = 1e-2, 0.05, 1e-3
 LOWER_BOUND, NORM_EPS, W = -5.0, 1e-5, 4
@@ -49,22 +44,9 @@ SIZES = {"full": (96, 128), "small": (3, 32)}  # small: H and H*D not powers of 
 BF16 = torch.bfloat16
 
 
-def device_test(fn):
-    """Mark a test that runs on CUDA (or in Triton's CPU interpreter when opted in)."""
-    for mark in DEVICE_MARKS:
-        fn = mark(fn)
-    return fn
-
-
 def _kc():
     """The module under test; in interpreter mode, with BF16 rounding to nearest even as on the GPU."""
-    pytest.importorskip("triton")
-    if _DEV == "cpu":
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            pytest.skip("TRITON_TEST_DEVICE=cpu needs TRITON_INTERPRET=1")
-        from test_kda_triton import _interpreter_rne  # noqa: PLC0415
-
-        _interpreter_rne()
+    use_triton()
     from dep_compile.stock import kda_cuda  # noqa: PLC0415 - imports Triton
 
     return kda_cuda
