@@ -68,3 +68,18 @@ def test_full_size_weight_bytes():
         kda, dsa = (ba.AttentionBlock(preset("k31"), k).to(torch.bfloat16) for k in ("kda", "dsa"))
     assert round(ba.weight_bytes(kda) / 1e6) == 887  # in_proj 49376 x 7168 + o_proj 7168 x 12288 + small
     assert round(ba.weight_bytes(dsa) / 1e6) == 479  # fused 14400 + wk 128 + wv 32 rows, q_b, kv_b, wq_b, o_proj
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind,rows,q,context", [("kda", 3, 1, None), ("kda", 2, 4, None),
+                                                 ("dsa", 3, 1, 40), ("dsa", 2, 4, 10), ("dsa", 5, 2, 300)])
+def test_layer_on_cuda_eager_vs_kimi_dep(kind, rows, q, context):
+    """The rewritten layer's CUDA path (Triton cores; the DSA indexer on a side stream) against the
+    stock layer eager on CUDA (the stock ops' CUDA code): one step from identical caches, the
+    harness's parity tolerances (outputs 2e-2; caches as its docstring says)."""
+    block = ba.build_block(CFG, kind, device="cuda", seed=0)
+    step = ba.make_step(CFG, kind, rows, q, context, block_size=4, device="cuda", seed=1)
+    dep = torch.compile(block, backend="kimi_dep", fullgraph=True, dynamic=False, options={"inductor": False})
+    with torch.no_grad():
+        errs = ba.parity(block, {"kimi_dep": dep}, step)["kimi_dep"]
+    assert ba.parity_violations({"kimi_dep": errs}) == [], errs

@@ -15,6 +15,7 @@ from ..stock.reference.mla import split_kv_b
 from .packing import packed_rows
 from .projection import DepProjection
 from .registry import lookup
+from .streams import side_stream
 
 log = logging.getLogger(__name__)
 _LOGGED: set[str] = set()  # fallback reasons already logged
@@ -77,24 +78,40 @@ class PreparedDsa:
                     q_len: int) -> Tensor:
         """The same on the Triton kernels (``dsa_triton``): [T, H*v] BF16 (gated).
 
-        split query (q_a norm; q_b and wq_b GEMMs; W_UK absorb), latent norm + insert, fused
-        FP8 indexer (key norm + quantize + insert; logits; top-k), split-KV sparse MLA over the
-        selected latents, W_UV + sigmoid(gate).
+        main: q_a norm -+-> q_b GEMM -> latent insert -> W_UK absorb ---> sparse MLA -> W_UV + gate
+        side:           +-> wq_b GEMM -> key insert -> logits -> top-k --^
+        The indexer chain (small, latency-bound kernels) runs on a side stream beside the
+        weight-bound q_b GEMM; events order the streams (graph-capturable: fork from and join
+        to the capturing stream); tensors crossing streams are recorded on the stream that
+        reads them. The sparse MLA is a split-KV kernel over the selected latents.
         """
         from .dsa_triton import (absorb_query, index_key_insert, index_logits, latent_insert, select_topk,
                                  sparse_mla_decode_latent, uv_gate)
         from .norm_triton import rms_norm_fused
 
         T = q_a.shape[0]
+        main = torch.cuda.current_stream()
+        side = side_stream(q_a.device)
         q_a = rms_norm_fused(q_a, q_a_norm_w, self.q_a_eps)
+        forked = torch.cuda.Event()
+        forked.record(main)
+        with torch.cuda.stream(side):
+            side.wait_event(forked)
+            q_idx = F.linear(q_a, wq_b_w).view(T, self.index_heads, self.index_dim)
+            index_key_insert(k_idx, k_norm_w, k_norm_b, self.k_norm_eps, index_cache, index_scale, slot_mapping)
+            logits = index_logits(q_idx, w_idx, index_cache, index_scale, block_table, seq_lens, slot_mapping,
+                                  q_len)
+            topk = select_topk(logits, self.topk)  # [T, topk] int32 positions, ascending, -1 padded
+            selected = torch.cuda.Event()
+            selected.record(side)
+        for t in (q_a, k_idx, w_idx):
+            t.record_stream(side)
         q = F.linear(q_a, q_b_w).view(T, self.heads, self.nope + self.rope)
-        q_idx = F.linear(q_a, wq_b_w).view(T, self.index_heads, self.index_dim)
         latent_insert(kv_a, kv_a_norm_w, self.kv_a_eps, kv_cache, slot_mapping)
-        index_key_insert(k_idx, k_norm_w, k_norm_b, self.k_norm_eps, index_cache, index_scale, slot_mapping)
-        logits = index_logits(q_idx, w_idx, index_cache, index_scale, block_table, seq_lens, slot_mapping, q_len)
-        topk = select_topk(logits, self.topk)  # [T, topk] int32 positions, ascending, -1 padded
         w_uk, w_uv = split_kv_b(kv_b_w, self.heads, self.nope)  # [H, nope, L], [H, v, L]
         query = absorb_query(q, w_uk)  # [T, H, L+R] BF16
+        main.wait_event(selected)
+        topk.record_stream(main)
         o_lat = sparse_mla_decode_latent(query, kv_cache, block_table, topk, slot_mapping, q_len, self.kv_lora,
                                          self.scale, block_n=min(64, self.topk))  # [T, H, L] BF16
         return uv_gate(o_lat, w_uv, gate)

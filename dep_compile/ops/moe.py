@@ -13,6 +13,7 @@ from ..stock.layers import renormalized_topk, situ
 from .packing import packed_rows
 from .projection import DepProjection
 from .registry import lookup
+from .streams import side_stream
 
 
 @dataclasses.dataclass
@@ -78,7 +79,7 @@ class EpMoeLayer:
         from .moe_triton import situ_fused
 
         main = torch.cuda.current_stream()
-        side = _side_stream(x.device)
+        side = side_stream(x.device)
         forked = torch.cuda.Event()
         forked.record(main)
         with torch.cuda.stream(side):
@@ -102,16 +103,6 @@ class EpMoeLayer:
         main.wait_event(shared_ready)
         shared.record_stream(main)
         return tail + shared
-
-
-_SIDE: dict = {}
-
-
-def _side_stream(device) -> "torch.cuda.Stream":
-    """One side stream per device, made once (creating streams inside a step would allocate)."""
-    if device not in _SIDE:
-        _SIDE[device] = torch.cuda.Stream(device=device)
-    return _SIDE[device]
 
 
 @torch.library.custom_op("kimi_dep::moe", mutates_args=())
