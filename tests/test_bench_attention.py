@@ -79,7 +79,11 @@ def test_layer_on_cuda_eager_vs_kimi_dep(kind, rows, q, context):
     harness's parity tolerances (outputs 2e-2; caches as its docstring says)."""
     block = ba.build_block(CFG, kind, device="cuda", seed=0)
     step = ba.make_step(CFG, kind, rows, q, context, block_size=4, device="cuda", seed=1)
+    from dep_compile.ops import dsa  # noqa: PLC0415
+
+    fallbacks = set(dsa._LOGGED)  # reasons the DSA layer fell back to stock code, logged once each
     dep = torch.compile(block, backend="kimi_dep", fullgraph=True, dynamic=False, options={"inductor": False})
     with torch.no_grad():
         errs = ba.parity(block, {"kimi_dep": dep}, step)["kimi_dep"]
     assert ba.parity_violations({"kimi_dep": errs}) == [], errs
+    assert dsa._LOGGED == fallbacks, f"the DSA layer fell back to stock code: {dsa._LOGGED - fallbacks}"

@@ -39,7 +39,8 @@ from triton_device import DEVICE_MARKS, TRITON_DEV as _DEV, ulps, use_triton
 pytestmark = DEVICE_MARKS
 
 # heads, kv_lora, rope, index heads, index dim, topk, block size
-SIZES = {"full": (96, 512, 64, 32, 128, 2048, 64), "small": (4, 32, 16, 4, 32, 16, 4)}
+SIZES = {"full": (96, 512, 64, 32, 128, 2048, 64), "small": (4, 32, 16, 4, 32, 16, 4),
+         "small64": (4, 32, 16, 4, 32, 64, 4)}  # top-64: room for several 16-entry splits
 FP8 = torch.float8_e4m3fn
 
 
@@ -194,8 +195,8 @@ def select_topk_like(r: dict) -> torch.Tensor:
                                     if _DEV != "cpu" or s == "small"])
 def test_uv_gate(size, T):
     """W_UV + sigmoid(gate) in one launch vs the reference's project_out then the FP32 gate: every
-    element within two BF16 ulps (relative 2^-6: the two roundings of each side may each flip
-    by one ulp; only the FP32 summation order differs)."""
+    element within 2^-6 relative (2-4 BF16 ulps: the W_UV rounding and the gate rounding of each
+    side may each flip by one ulp; only the FP32 summation order differs)."""
     dt = _dt()
     H, L = SIZES[size][:2]
     V = 128 if size == "full" else 32
@@ -261,9 +262,10 @@ def test_absorb_query(size, T):
     assert torch.equal(got[..., L:], ref[..., L:]), "q_rope not copied exactly"
 
 
+@pytest.mark.parametrize("block", [64, 4096])  # 64: many chunks a row
 @pytest.mark.parametrize("N,topk", [(40, 16), (300, 16), (5000, 2048), (2000, 2048)]
                          if _DEV != "cpu" else [(40, 16), (300, 16), (700, 64), (50, 64)])
-def test_select_topk_triton(N, topk):
+def test_select_topk_triton(N, topk, block):
     """The one-launch radix top-k vs the reference's select_topk row by row, on rows with every
     visibility: none (padding), fewer than topk, more; plus exact ties at the threshold (which
     must be taken from the lowest positions) and negative, zero and positive logits."""
@@ -275,7 +277,7 @@ def test_select_topk_triton(N, topk):
     for t, v in enumerate(vis):
         x[t, v:] = float("-inf")
     x[5, :] = torch.randint(-3, 4, (N,), generator=g).float()  # massive ties
-    got = dt.select_topk_triton(x.to(_DEV), topk).cpu()
+    got = dt.select_topk_triton(x.to(_DEV), topk, block=block).cpu()
     for t, v in enumerate(vis):
         if t == 5:  # ties: the set is {> thr} plus the lowest positions == thr, ascending
             vals = x[t]
@@ -287,3 +289,46 @@ def test_select_topk_triton(N, topk):
         else:
             want = select_topk(x[t, :v], topk)
         assert torch.equal(got[t], want), f"row {t} (visible {v})"
+
+
+@pytest.mark.parametrize("splits", [1, 2, 4])
+def test_sparse_mla_latent_splits(splits):
+    """The split-KV path: top-64 over 16-entry blocks in 1, 2 or 4 splits (the combine merges
+    them), one live token with no selected entry (output 0); tolerances as test_sparse_mla_latent."""
+    dt = _dt()
+    c = make_case("small64", 2, seed=9, device=_DEV)
+    r = cpu(c)
+    topk = select_topk_like(r)
+    topk[2] = -1  # a live token that selects nothing
+    got = dt.sparse_mla_decode_latent(c["query"], c["kv_cache"], c["block_table"], topk.to(_DEV),
+                                      c["slot_mapping"], 2, c["L"], c["scale"], block_n=16,
+                                      splits=splits).float().cpu()
+    T, H, _ = r["query"].shape
+    ref = torch.zeros(T, H, c["L"])
+    for t in range(T):
+        s = topk[t][topk[t] >= 0].long()
+        if int(r["slot_mapping"][t]) >= 0 and s.numel():
+            ref[t] = attend_latent(r["query"][t], gather_context(r["kv_cache"], r["block_table"], t // 2, s),
+                                   c["L"], c["scale"])
+    assert (got[2] == 0).all(), "a token with no selected entry must be 0"
+    rel = float((got - ref).norm() / ref.norm())
+    assert rel <= 1e-2 and float((got - ref).abs().max()) <= 2e-2, f"splits {splits}: rel {rel:.2e}"
+    with pytest.raises(ValueError, match="multiple"):
+        dt.sparse_mla_decode_latent(c["query"], c["kv_cache"], c["block_table"], topk.to(_DEV), c["slot_mapping"], 2,
+                                    c["L"], c["scale"], block_n=16, splits=3)
+
+
+@pytest.mark.parametrize("extra", [0, 1])
+def test_select_topk_dispatch(extra):
+    """select_topk at TOPK_TRITON_MAX_N positions (the radix kernel) and one more (torch): the
+    reference's select_topk on every row (random logits: no ties), rows with -inf tails."""
+    dt = _dt()
+    N = dt.TOPK_TRITON_MAX_N + extra
+    g = torch.Generator().manual_seed(N)
+    x = torch.randn(3, N, generator=g)
+    vis = [N, 5000, 100]
+    for t, v in enumerate(vis):
+        x[t, v:] = float("-inf")
+    got = dt.select_topk(x.to(_DEV), 2048).cpu()
+    for t, v in enumerate(vis):
+        assert torch.equal(got[t], select_topk(x[t, :v], 2048)), f"row {t}"

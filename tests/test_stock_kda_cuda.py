@@ -270,12 +270,16 @@ def test_kda_core_cuda_graph_capture(q_len, recurrence):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(_DEV == "cpu", reason="routing of CUDA tensors")
-def test_stock_op_runs_kda_core_cuda_on_cuda():
-    """``kimi_k3::kda_core`` on CUDA tensors runs kda_core_cuda (the result matches the reference)."""
+def test_stock_op_runs_kda_core_cuda_on_cuda(monkeypatch):
+    """``kimi_k3::kda_core`` on CUDA tensors runs kda_core_cuda (called, and the result matches the reference)."""
     import dep_compile.stock.ops  # noqa: F401, PLC0415 - registers kimi_k3::*
 
-    _kc()
+    kc = _kc()
+    calls = []
+    real = kc.kda_core_cuda
+    monkeypatch.setattr(kc, "kda_core_cuda", lambda *a: calls.append(1) or real(*a))
     H, D = SIZES["small"]
     c = make_case(H, D, 4, 2, seed=3, device="cuda")
     ref = reference(c, 2)
     check(c, 2, torch.ops.kimi_k3.kda_core(*core_args(c, 2)), ref)
+    assert calls, "kimi_k3::kda_core did not route CUDA tensors to kda_core_cuda"

@@ -1,26 +1,27 @@
-"""Triton DSA decode kernels (SM90): the fused FP8 indexer and split-KV sparse MLA decode.
+"""Triton DSA decode kernels (SM90): split query, fused FP8 indexer, top-k, split-KV sparse MLA, W_UV + gate.
 
-Seven kernels, each one launch, no host synchronisation, outputs allocated up front (CUDA-graph
+Each a single launch with no host synchronisation and outputs allocated up front (CUDA-graph
 capturable):
 
 * :func:`latent_insert`: the latent entry (RMSNorm of c_kv | k_rope) written straight into the
   paged latent cache (slot -1 skips).
 * :func:`absorb_query`: the absorbed query ``[q_nope @ W_UK | q_rope]`` per head.
-
 * :func:`index_key_insert`: key LayerNorm (FP32, rounded to BF16), FP8 e4m3 quantization with
   one power-of-two scale per token, and the insert into the paged index cache (slot -1 skips).
-* :func:`index_logits`: one program per (request, block of cached positions) scores every
-  step token of the request against the block's FP8 keys, loaded once for all ``q_len``
-  tokens: the queries are quantized in-kernel (per-head power-of-two scale), one tensor-core
-  dot ``[q_len*Hi, Di] x [Di, BLOCK_N]`` of the FP8 values (as BF16: exact, with FP32
-  accumulation), ReLU, the folded head weights, the key scale.
-  Positions after the token's own (and padding tokens) get ``-inf``. Top-k then runs in torch
-  (:func:`select_topk_positions`).
-* :func:`sparse_mla_partial` + combine: absorbed MLA decode over each token's selected latent
-  rows, flash-decoding style: the 96 query heads are tiled (``BLOCK_H`` heads per program, not
-  padded), the ``topk`` selected entries are split over ``splits`` programs so a single token
-  still fills the GPU, each program keeps an online softmax over its entries, and a combine
-  kernel merges the splits into the BF16 latent output.
+* :func:`index_logits`: one program per (request, run of key blocks) scores every step token
+  of the request against the blocks' FP8 keys, loaded once for all ``q_len`` tokens: the
+  queries are quantized in-kernel once per program (per-head power-of-two scale), one
+  tensor-core dot ``[q_len*Hi, Di] x [Di, BLOCK_N]`` a block of the FP8 values (as BF16:
+  exact, with FP32 accumulation), ReLU, the folded head weights, the key scale. Positions
+  after the token's own (and padding tokens) get ``-inf``.
+* :func:`select_topk`: the top-k positions, ascending, -1 padded: :func:`select_topk_triton`
+  (one program a row: radix select on the float bits, then compaction in position order) up
+  to ``TOPK_TRITON_MAX_N`` positions, torch's top-k + sort beyond.
+* :func:`sparse_mla_decode_latent` (two launches: partials + combine): absorbed MLA decode over
+  each token's selected latent rows, flash-decoding style: the 96 query heads are tiled
+  (``BLOCK_H`` heads per program), the ``topk`` selected entries are split over ``splits``
+  programs so a single token still fills the GPU, each program keeps an online softmax over
+  its entries, and a combine kernel merges the splits into the BF16 latent output.
 * :func:`uv_gate`: W_UV (latent -> 128 per head) and ``* sigmoid(gate)`` in one launch, the
   input of o_proj.
 
@@ -46,7 +47,6 @@ __all__ = ["absorb_query", "latent_insert", "index_key_insert", "index_logits", 
            "sparse_mla_decode_latent", "uv_gate", "dsa_triton_unsupported"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-FP8_MAX = 448.0
 
 
 @triton.jit
@@ -166,7 +166,9 @@ def index_logits(q_idx: torch.Tensor, weights: torch.Tensor, index_cache: torch.
     q_idx: [T, Hi, Di] BF16 (unit inner stride); weights: [T, Hi] (weights_proj output);
     index_cache: [NB, BS, Di] FP8 e4m3; index_scale: [NB, BS] FP32; block_table: [B, MB];
     seq_lens: [B] including this step's tokens; slot_mapping: [T]. Entries a token does not
-    see (later positions, padding tokens) are ``-inf``.
+    see (later positions, padding tokens) are ``-inf``. ``steps`` key blocks a program (default:
+    as many as keep two waves of programs); 8 warps measured best at 1 token, 4 at 64 tokens x
+    32K (147 vs 168 µs, docs/perf.md; not switched: the layer numbers were taken with 8).
     """
     T, Hi, Di = q_idx.shape
     B, MB = block_table.shape
@@ -265,7 +267,10 @@ def select_topk_triton(logits: torch.Tensor, topk: int, *, block: int = 4096, nu
     return out
 
 
-TOPK_TRITON_MAX_N = 8192  # longer rows: torch's multi-block top-k is faster (bench_dsa_kernels.py)
+# Measured (bench_dsa_kernels.py, docs/dsa_kernels_4k_32k.json): the one-program-a-row kernel
+# beats torch's top-k + sort at 4K positions (22.7 vs 48.2 µs) and loses at 32K (158 vs 72-101);
+# the crossover between was not measured: 8K is the assumed switch.
+TOPK_TRITON_MAX_N = 8192
 
 
 def select_topk(logits: torch.Tensor, topk: int) -> torch.Tensor:
@@ -386,8 +391,8 @@ def sparse_mla_decode_latent(query: torch.Tensor, kv_cache: torch.Tensor, block_
     T, H, LR = query.shape
     L, R = kv_lora, LR - kv_lora
     K = topk_indices.shape[1]
-    # measured on the H200 (benchmarks/bench_dsa_kernels.py, docs/perf.md): 32 heads a program
-    # at a few tokens (more programs), 64 from 16 tokens on (each selected row read by fewer)
+    # measured at 1 and 64 tokens (bench_dsa_kernels.py): 32 heads a program best at 1 (more
+    # programs), 64 at 64 (each selected row read by fewer); the switch at 16 was not measured
     block_h = block_h or (64 if T >= 16 else 32)
     out = torch.empty(T, H, L, dtype=query.dtype, device=query.device)
     if T == 0:
@@ -395,6 +400,8 @@ def sparse_mla_decode_latent(query: torch.Tensor, kv_cache: torch.Tensor, block_
     head_tiles = triton.cdiv(H, block_h)
     sms = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else 8
     n_split = splits or _splits(T, head_tiles, K, block_n, sms)
+    if K % (n_split * block_n):  # each program's entries must be whole blocks of one row
+        raise ValueError(f"top-k {K} is not a multiple of splits {n_split} x block_n {block_n}")
     chunk = K // n_split
     o_part = torch.empty(T, n_split, H, L, dtype=torch.float32, device=query.device)
     m_part = torch.empty(T, n_split, H, dtype=torch.float32, device=query.device)
@@ -534,6 +541,8 @@ def dsa_triton_unsupported(kv_cache: torch.Tensor, index_cache: torch.Tensor, *,
     dims = dict(index_heads=index_heads, index_dim=index_dim, kv_lora=kv_lora, rope=R, nope=nope, v=v_dim)
     if not all(_pow2(d) and d >= 16 or name == "index_heads" and _pow2(d) for name, d in dims.items()):
         return f"dims {dims}: not all powers of two >= 16 (index heads: any power of two)"
+    if not (_pow2(block_n) and block_n >= 16):
+        return f"top-k {topk}: the sparse MLA step min(64, top-k) = {block_n} is not a power of two >= 16"
     if topk % block_n:
         return f"topk {topk} not a multiple of {block_n}"
     if kv_cache.dtype != torch.bfloat16 or kv_cache.stride(-1) != 1:
