@@ -26,7 +26,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import format_table, time_graph, write_json  # noqa: E402
+from common import format_table, tbps, time_graph, write_json  # noqa: E402
 
 H, L, R, HI, DI, TOPK, BS = 96, 512, 64, 32, 128, 2048, 64
 
@@ -58,7 +58,7 @@ def sweep(name: str, configs: list[dict], fn, nbytes: float, T: int, ctx: int) -
     for cfg in configs:
         try:
             us = time_graph(lambda i, cfg=cfg: fn(**cfg), 20)["median_us"]
-            rows.append(dict(kernel=name, tokens=T, context=ctx, config=cfg, us=us, tbps=nbytes / us / 1e6))
+            rows.append(dict(kernel=name, tokens=T, context=ctx, config=cfg, us=us, tbps=tbps(nbytes, us)))
         except Exception as e:  # noqa: BLE001 - a config that does not compile (registers, smem) is skipped
             rows.append(dict(kernel=name, tokens=T, context=ctx, config=cfg, error=f"{type(e).__name__}: {e}"[:200]))
     best = min((r for r in rows if "us" in r), key=lambda r: r["us"], default=None)
@@ -84,8 +84,8 @@ def sweep_point(dt, T: int, ctx: int) -> list[dict]:
     results += sweep("topk_torch", [{}], topk_torch, T * ctx * 4, T, ctx)
     results += sweep("topk_triton", [dict(block=b, num_warps=w) for b in (1024, 2048, 4096) for w in (4, 8, 16)],
                      lambda **k: dt.select_topk_triton(logits, TOPK, **k), T * ctx * 4, T, ctx)
-    assert torch.equal(dt.select_topk_triton(logits, TOPK), topk_torch()), "top-k kernels disagree"
     topk = topk_torch()
+    assert torch.equal(dt.select_topk_triton(logits, TOPK), topk), "top-k kernels disagree"
     mla_fn = lambda **k: dt.sparse_mla_decode_latent(c["query"], c["kv_cache"], c["block_table"], topk,  # noqa: E731
                                                      c["slot_mapping"], 1, L, 192 ** -0.5, **k)
     configs = [dict(block_h=h, block_n=n, num_warps=w, num_stages=ns) for h in (32, 64) for n in (32, 64)

@@ -289,11 +289,13 @@ def measure_shape(name: str, args, budget_end: float, failures: dict) -> dict:
         cub = bench.time(CUBLAS, {}, x, out)
         entry = {"cublas": {"rel_err": rel, **cub}, "sweep": []}
         sweep = []
-        cands = seeded(rows, ranked, args) or candidates(n, k, rows, args.configs, args.tma_configs)
-        entry["seeded"] = bool(seeded(rows, ranked, args))
+        seeds = seeded(rows, ranked, args)
+        cands = seeds or candidates(n, k, rows, args.configs, args.tma_configs)
+        entry["seeded"] = bool(seeds)
         for tactic, variant in cands:
-            if _job(k, rows, tactic, variant) in failures:
-                entry["sweep"].append({"tactic": label(tactic, variant), "error": failures[_job(k, rows, tactic, variant)]})
+            job = _job(k, rows, tactic, variant)
+            if job in failures:
+                entry["sweep"].append({"tactic": label(tactic, variant), "error": failures[job]})
                 continue
             if time.time() > budget_end:
                 entry["sweep"].append({"tactic": label(tactic, variant), "error": "skipped: time budget"})
@@ -423,7 +425,7 @@ def _parse_literal(text: str):
 # ----------------------------------------------------------------------------- report
 
 
-def report(results: dict, args) -> str:
+def report(results: dict) -> str:
     headers = ["shape", "rows", "cuBLAS us", "cuBLAS TB/s", "best split-K us", "tactic", "ratio cuBLAS/sk",
                "sk TB/s", "sk/4.33", "sk/4.8", "chosen", "chosen TB/s", "PDL chained us"]
     lines = []
@@ -649,7 +651,7 @@ def main(argv=None) -> int:
         common.write_json(os.path.join(args.out, "projection.json"),
                           {"results": results, "args": vars(args), "partial": True}, with_env=True)
 
-    text = report(results, args)
+    text = report(results)
     literals = table_literals(results)
     png = plot(results, os.path.join(args.out, "projection.png"))
     common.write_json(os.path.join(args.out, "projection.json"),

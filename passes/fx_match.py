@@ -90,12 +90,6 @@ def producer(node: Any) -> Any:
     return node
 
 
-def result_user(node: Node) -> Node | None:
-    """The single reader of a call's tensor output (through the wrapper's getitem 0 when functionalized)."""
-    out = result(node)
-    return single_user(out) if out is not None else None
-
-
 def base_outputs(node: Node) -> dict[int, Node]:
     """An ``auto_functionalized_v2`` node's getitems of updated bases: {position in _all_bases: getitem}."""
     out = {}

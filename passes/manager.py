@@ -103,8 +103,8 @@ class DepPostGradPass(CustomGraphPass):
     Install with ``torch._inductor.config.post_grad_custom_post_pass = DepPostGradPass(options)``
     and compile with plain Inductor. It holds only the options dict, so it pickles and deep-copies;
     ``uuid()`` covers the pass files and the options, so Inductor's FX cache never serves a graph
-    rewritten by other code. On a cache hit the pass does not run: the kimi_dep ops then look up
-    prepared layers this process never registered, so compile such graphs with a fresh cache.
+    rewritten by other code. On a cache hit the pass does not run; the kimi_dep ops rebuild their
+    prepared layers from the ``layer`` strings they carry (``dep_compile.ops.registry``).
     """
 
     def __init__(self, options: dict | None = None):

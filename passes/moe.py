@@ -14,7 +14,7 @@ from dep_compile.ops.projection import DepProjection
 from dep_compile.ops.registry import register
 
 from .base import Found, LayerPass, PassContext, check_bf16
-from .fx_match import (NoMatch, as_linear, getitem_of, is_call, is_cast, match_rms_norm, op_args, require,
+from .fx_match import (NoMatch, arg, as_linear, getitem_of, is_call, is_cast, match_rms_norm, op_args, require,
                        single_user, split_sizes, strip_casts, transposed, uncast, val)
 
 aten = torch.ops.aten
@@ -45,9 +45,9 @@ def match_router(ids_node, weights_node, top_k_expected: int):
             "topk_ids are not topk(...).indices", ids_node)
     topk = gi[0]
     keyed = topk.args[0]
-    k = topk.args[1] if len(topk.args) > 1 else topk.kwargs.get("k")
+    k = arg(topk, 1, "k")
     if is_call(topk, aten.topk):  # post-grad: topk(x, k, dim=-1, largest=True, sorted=True), all positional
-        dim, largest = (list(topk.args[2:4]) + [-1, True][len(topk.args[2:4]):])
+        dim, largest = arg(topk, 2, "dim", -1), arg(topk, 3, "largest", True)
         require(dim in (-1, val(keyed).dim() - 1) and largest is True, "topk is not the largest over the experts", topk)
     require(is_call(keyed, operator.add, torch.add, aten.add) and len(keyed.args) == 2
             and keyed.kwargs.get("alpha", 1) == 1, "expert selection is not scores + correction bias "
@@ -70,11 +70,11 @@ def match_router(ids_node, weights_node, top_k_expected: int):
             "topk_weights are not renormalized", mul)
     gather, total = div.args
     require(is_call(gather, "gather", torch.gather, aten.gather) and gather.args[0] is scores
-            and strip_casts(gather.args[2] if len(gather.args) > 2 else gather.kwargs.get("index")) is gi_node,
+            and strip_casts(arg(gather, 2, "index")) is gi_node,
             "topk_weights are not the selected scores", div)
     require(is_call(total, "sum", torch.sum, aten.sum) and total.args[0] is gather, "renormalization is not by the sum", total)
     if is_call(total, aten.sum):
-        require(list(total.args[1]) in ([-1], [val(gather).dim() - 1]) and (total.args[2:3] or [False])[0] is True,
+        require(list(total.args[1]) in ([-1], [val(gather).dim() - 1]) and arg(total, 2, "keepdim", False) is True,
                 "renormalization is not a keepdim sum over the selected experts", total)
     region = {topk, gi_node, keyed, scores, scores.args[0], mul, div, gather, total}
     region |= {n for n in (ids_node, weights_node) if n.op in ("call_function", "call_method")}

@@ -19,9 +19,6 @@ LOGIT_ATOL = 0.1  # logits are O(1); a wrong slice or lost cache write moves the
 STATE_ATOL = 0.05
 
 
-# run_pair uses dep_compile.config.CUBLAS_ONLY (exact pattern-only parity) unless the options name tables.
-
-
 @dataclasses.dataclass
 class PairResult:
     logits_err: float
@@ -35,7 +32,8 @@ def run_pair(cfg, *, steps=8, batch=3, q=1, options=None, pooled=False, dynamic=
              accepted=None, start_len=10, block_size=4, padding=0, batches=None) -> PairResult:
     """``steps`` steps of ``batch`` requests x ``q`` tokens, eager stock vs kimi_dep, from identical caches.
 
-    ``batches`` (a list of batch sizes, one per step) exercises one compiled graph at several
+    Options default to dep_compile.config.CUBLAS_ONLY (exact pattern-only parity) unless they
+    name tables. ``batches`` (a list of batch sizes, one per step) exercises one compiled graph at several
     sizes; with ``dynamic`` the batch dim is marked dynamic.
     """
     model = model or build_model(cfg, seed=1)

@@ -163,19 +163,24 @@ def test_sparse_mla_latent(size, q_len):
     got = dt.sparse_mla_decode_latent(c["query"], c["kv_cache"], c["block_table"], topk.to(_DEV),
                                       c["slot_mapping"], q_len, c["L"], c["scale"],
                                       block_n=min(64, c["topk"])).float().cpu()
-    T, H, _ = r["query"].shape
-    ref = torch.zeros(T, H, c["L"])
-    for t in range(T):
-        s = topk[t][topk[t] >= 0].long()
-        if int(r["slot_mapping"][t]) < 0 or s.numel() == 0:
-            continue
-        ctx = gather_context(r["kv_cache"], r["block_table"], t // q_len, s)
-        ref[t] = attend_latent(r["query"][t], ctx, c["L"], c["scale"])
+    ref = ref_sparse_latent(r, topk)
     pad = r["slot_mapping"] < 0
     assert (got[pad] == 0).all(), "padding tokens must be 0"
     rel = float((got - ref).norm() / ref.norm())
     mx = float((got - ref).abs().max())
     assert rel <= 1e-2 and mx <= 2e-2, f"rel {rel:.2e} max {mx:.2e}"
+
+
+def ref_sparse_latent(r: dict, topk: torch.Tensor) -> torch.Tensor:
+    """The reference latent output of every token over its selected rows (0: padding or none): [T, H, L]."""
+    T, H, _ = r["query"].shape
+    ref = torch.zeros(T, H, r["L"])
+    for t in range(T):
+        s = topk[t][topk[t] >= 0].long()
+        if int(r["slot_mapping"][t]) >= 0 and s.numel():
+            ctx = gather_context(r["kv_cache"], r["block_table"], t // r["q_len"], s)
+            ref[t] = attend_latent(r["query"][t], ctx, r["L"], r["scale"])
+    return ref
 
 
 def select_topk_like(r: dict) -> torch.Tensor:
@@ -303,13 +308,7 @@ def test_sparse_mla_latent_splits(splits):
     got = dt.sparse_mla_decode_latent(c["query"], c["kv_cache"], c["block_table"], topk.to(_DEV),
                                       c["slot_mapping"], 2, c["L"], c["scale"], block_n=16,
                                       splits=splits).float().cpu()
-    T, H, _ = r["query"].shape
-    ref = torch.zeros(T, H, c["L"])
-    for t in range(T):
-        s = topk[t][topk[t] >= 0].long()
-        if int(r["slot_mapping"][t]) >= 0 and s.numel():
-            ref[t] = attend_latent(r["query"][t], gather_context(r["kv_cache"], r["block_table"], t // 2, s),
-                                   c["L"], c["scale"])
+    ref = ref_sparse_latent(r, topk)
     assert (got[2] == 0).all(), "a token with no selected entry must be 0"
     rel = float((got - ref).norm() / ref.norm())
     assert rel <= 1e-2 and float((got - ref).abs().max()) <= 2e-2, f"splits {splits}: rel {rel:.2e}"

@@ -7,7 +7,7 @@ import pytest
 from dep_compile.stock import preset
 from dep_compile.tactics import DEP_OPROJ, DEP_PROJECTION, SplitK
 
-from helpers import CUBLAS_ONLY, LOGIT_ATOL, STATE_ATOL, run_pair
+from helpers import LOGIT_ATOL, STATE_ATOL, run_pair
 
 # Split-K at small batches, cuBLAS above 2 rows: one run crosses a table boundary.
 SPLITK_TABLES = {
@@ -32,7 +32,7 @@ def _assert_close(r, exact=False):
 def test_decode_and_verify_exact_with_cublas_tactics(q):
     cfg = preset("mixed-small")
     accepted = None if q == 1 else (lambda i, b: [1 + (i + r) % q for r in range(b)])
-    r = run_pair(cfg, steps=8, batch=3, q=q, accepted=accepted, options=CUBLAS_ONLY)
+    r = run_pair(cfg, steps=8, batch=3, q=q, accepted=accepted)
     assert len(r.report.rewritten()) == 1 + 6 + 7  # layer 3 DSA, layer 7 MLA (stock)
     _assert_close(r, exact=True)
 
@@ -54,7 +54,7 @@ def test_default_measured_tables():
 
 def test_pooled_cache_views():
     cfg = preset("mixed-small")
-    r = run_pair(cfg, steps=8, batch=3, q=2, pooled=True, accepted=lambda i, b: [2, 1, 2][:b], options=CUBLAS_ONLY)
+    r = run_pair(cfg, steps=8, batch=3, q=2, pooled=True, accepted=lambda i, b: [2, 1, 2][:b])
     _assert_close(r, exact=True)
 
 
@@ -66,7 +66,7 @@ def test_dynamic_batch_one_graph():
 
 def test_padding_requests_leave_states_untouched():
     cfg = preset("k31-small", num_layers=4)
-    r = run_pair(cfg, batch=4, padding=1, options=CUBLAS_ONLY)
+    r = run_pair(cfg, batch=4, padding=1)
     _assert_close(r, exact=True)
 
 
@@ -78,5 +78,5 @@ def test_through_inductor():
 
 def test_moe_above_front_max_runs_stock_path():
     cfg = preset("k31-small", num_layers=4)
-    r = run_pair(cfg, steps=8, batch=3, q=2, options={"front_max": 4, **CUBLAS_ONLY})  # 6 rows > 4
+    r = run_pair(cfg, steps=8, batch=3, q=2, options={"front_max": 4})  # 6 rows > 4
     _assert_close(r, exact=True)

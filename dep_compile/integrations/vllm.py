@@ -12,10 +12,9 @@ wrapped in ``auto_functionalized_v2``; ``dep_compile.passes`` match both that fo
 Dynamo form. Weight packing cannot be done there (no tensors): call :func:`pack_model_weights`
 on the model before compiling it, or the kimi_dep ops concatenate their weight blocks per call.
 
-Caveat: the kimi_dep ops find their prepared layers in a process-local registry filled when the
-pass runs. A graph served from Inductor's or vLLM's compile cache skips the pass, so the
-registry is empty and the first call raises a KeyError naming the layer; compile with the cache
-disabled (``VLLM_DISABLE_COMPILE_CACHE=1``) until the registry can rebuild itself.
+A graph served from Inductor's or vLLM's compile cache skips the pass; the kimi_dep ops then
+rebuild their prepared layers from the ``layer`` strings they carry (``dep_compile.ops.registry``),
+so cache hits are safe.
 """
 
 from __future__ import annotations

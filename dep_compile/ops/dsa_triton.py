@@ -42,6 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..stock.batched_attention import select_topk_positions
+
 __all__ = ["absorb_query", "latent_insert", "index_key_insert", "index_logits", "select_topk_positions",
            "select_topk", "select_topk_triton",
            "sparse_mla_decode_latent", "uv_gate", "dsa_triton_unsupported"]
@@ -279,24 +281,6 @@ def select_topk(logits: torch.Tensor, topk: int) -> torch.Tensor:
     if logits.shape[1] <= TOPK_TRITON_MAX_N:
         return select_topk_triton(logits, topk)
     return select_topk_positions(logits, topk)
-
-
-def select_topk_positions(logits: torch.Tensor, topk: int) -> torch.Tensor:
-    """Top-``topk`` positions of each row of ``logits [T, N]`` (``-inf`` = not visible): [T, topk] int32.
-
-    Ascending, -1 padded at the end; a row with at most ``topk`` visible positions selects all
-    of them (as ``select_topk`` in the reference).
-    """
-    T, N = logits.shape
-    k = min(topk, N)
-    vals, idx = torch.topk(logits, k, dim=-1, sorted=False)
-    big = torch.iinfo(torch.int32).max
-    keyed = torch.where(vals > float("-inf"), idx.to(torch.int32), big)
-    keyed = torch.sort(keyed, dim=-1).values
-    out = torch.where(keyed == big, -1, keyed)
-    if k < topk:
-        out = torch.cat([out, out.new_full((T, topk - k), -1)], -1)
-    return out
 
 
 @triton.jit

@@ -23,12 +23,10 @@ def _classes() -> dict[str, type]:
     from .moe import EpMoeLayer
     from .projection import DepProjection
 
-    return {c.__name__: c for c in (PreparedDsa, PreparedKda, EpMoeLayer, DepProjection)}
+    return {c.__name__: c for c in (PreparedDsa, PreparedKda, EpMoeLayer, DepProjection, SplitK)}
 
 
 def _encode(obj: Any) -> Any:
-    if isinstance(obj, SplitK):
-        return {"SplitK": dataclasses.asdict(obj)}
     if dataclasses.is_dataclass(obj):
         return {type(obj).__name__: {f.name: _encode(getattr(obj, f.name)) for f in dataclasses.fields(obj)}}
     if isinstance(obj, dict):  # tactic tables: {max rows: SplitK or "cublas"}
@@ -39,8 +37,6 @@ def _encode(obj: Any) -> Any:
 def _decode(obj: Any) -> Any:
     if isinstance(obj, dict):
         (name, body), = obj.items()
-        if name == "SplitK":
-            return SplitK(**body)
         if name == "table":
             return {int(k): _decode(v) for k, v in body}
         return _classes()[name](**{k: _decode(v) for k, v in body.items()})

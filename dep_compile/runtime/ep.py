@@ -33,7 +33,7 @@ class EpGroup:
 _ACTIVE: EpGroup | None = None
 
 
-def init_ep(config, timeout_s: float = 60.0, backend: str | None = None) -> EpGroup:
+def init_ep(config, timeout_s: float = 60.0) -> EpGroup:
     """Make an EP group over the whole world and check every rank has the same K3 config.
 
     ``torch.distributed`` must be initialized. Raises EpError on every rank (no hang: a size
@@ -45,7 +45,7 @@ def init_ep(config, timeout_s: float = 60.0, backend: str | None = None) -> EpGr
     size, rank = dist.get_world_size(), dist.get_rank()
     if config.n_routed_experts % size:
         raise EpError(f"init_ep: {size} ranks do not divide {config.n_routed_experts} experts")
-    group = dist.new_group(list(range(size)), timeout=datetime.timedelta(seconds=timeout_s), backend=backend)
+    group = dist.new_group(list(range(size)), timeout=datetime.timedelta(seconds=timeout_s))
     digest = hashlib.sha256(repr(config).encode()).digest()[:8]
     mine = torch.tensor(list(digest), dtype=torch.int64)
     if dist.get_backend(group) == "nccl":
@@ -57,15 +57,6 @@ def init_ep(config, timeout_s: float = 60.0, backend: str | None = None) -> EpGr
         raise EpError(f"init_ep: rank {rank}'s config differs from ranks {bad}; every rank must build the same model")
     _ACTIVE = EpGroup(size, rank, group)
     return _ACTIVE
-
-
-def active() -> EpGroup | None:
-    return _ACTIVE
-
-
-def reset() -> None:
-    global _ACTIVE
-    _ACTIVE = None
 
 
 def require_group(ep_size: int) -> EpGroup:
@@ -102,13 +93,13 @@ def dispatch_combine(x, w13, w2, topk_weights, topk_ids, expert_start: int, ep_s
     """
     g = require_group(ep_size)
     P, T = g.size, x.shape[0]
-    # to every rank: all my tokens (fixed size: [P*T, ...])
+    # every rank gets all ranks' tokens (fixed size: [P*T, ...], rank r's rows at r*T)
     recv_x = torch.empty(P * T, x.shape[1], dtype=x.dtype, device=x.device)
     recv_w = torch.empty(P * T, topk_weights.shape[1], dtype=torch.float32, device=x.device)
     recv_ids = torch.empty(P * T, topk_ids.shape[1], dtype=torch.int64, device=x.device)
-    dist.all_to_all_single(recv_x, x.repeat(P, 1), group=g.group)
-    dist.all_to_all_single(recv_w, topk_weights.float().repeat(P, 1), group=g.group)
-    dist.all_to_all_single(recv_ids, topk_ids.long().repeat(P, 1), group=g.group)
+    dist.all_gather_into_tensor(recv_x, x.contiguous(), group=g.group)
+    dist.all_gather_into_tensor(recv_w, topk_weights.float().contiguous(), group=g.group)
+    dist.all_gather_into_tensor(recv_ids, topk_ids.long().contiguous(), group=g.group)
     partial = local_experts(recv_x, w13, w2, recv_w, recv_ids, expert_start)  # [P*T, Lat] FP32
     back = torch.empty_like(partial)
     dist.all_to_all_single(back, partial.contiguous(), group=g.group)

@@ -68,6 +68,13 @@ def _attend(query: torch.Tensor, ctx: torch.Tensor, valid: torch.Tensor, kv_lora
     return _bmm_fp32(probs, ctx[..., :kv_lora]).view(n, G, H, kv_lora)
 
 
+def _insert_and_absorb(q, latent, kv_b_weight, kv_cache, slot_mapping, nope: int):
+    """Both MLA decodes' start: insert this step's latents, then (absorbed query [T, H, L+R] BF16, W_UV [H, v, L])."""
+    insert_rows_paged(kv_cache, slot_mapping, latent)
+    w_uk, w_uv = split_kv_b(kv_b_weight, q.shape[1], nope)
+    return absorb_query(q, w_uk, nope), w_uv
+
+
 def mla_decode_batched(
     q: torch.Tensor, latent: torch.Tensor, kv_b_weight: torch.Tensor, kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -76,9 +83,7 @@ def mla_decode_batched(
     """Absorbed MLA decode over each request's whole block table, causally masked; [T, H*v] (see mla_decode_ref)."""
     T, H, _ = q.shape
     L = kv_b_weight.shape[-1]
-    insert_rows_paged(kv_cache, slot_mapping, latent)
-    w_uk, w_uv = split_kv_b(kv_b_weight, H, nope)
-    query = absorb_query(q, w_uk, nope)  # [T, H, W] BF16, W = L + R
+    query, w_uv = _insert_and_absorb(q, latent, kv_b_weight, kv_cache, slot_mapping, nope)  # [T, H, W]
     W = query.shape[-1]
     B, MB = block_table.shape
     C = MB * kv_cache.shape[1]
@@ -103,9 +108,7 @@ def sparse_mla_decode_batched(
     T, H, _ = q.shape
     L = kv_b_weight.shape[-1]
     K = topk_indices.shape[1]
-    insert_rows_paged(kv_cache, slot_mapping, latent)
-    w_uk, w_uv = split_kv_b(kv_b_weight, H, nope)
-    query = absorb_query(q, w_uk, nope)  # [T, H, W] BF16
+    query, w_uv = _insert_and_absorb(q, latent, kv_b_weight, kv_cache, slot_mapping, nope)  # [T, H, W]
     W = query.shape[-1]
     tables = block_table[torch.arange(T, device=q.device) // q_len]  # [T, MB]
     o_lat = torch.empty(T, H, L, dtype=torch.float32, device=q.device)
@@ -139,17 +142,17 @@ def _index_logits(
     return logits
 
 
-def _select_topk(logits: torch.Tensor, pos: torch.Tensor, live: torch.Tensor, topk: int) -> torch.Tensor:
-    """Top-``topk`` positions <= pos[t] of each row of ``logits [T, C]``, ascending, -1 padded: [T, topk] int32.
+def select_topk_positions(logits: torch.Tensor, topk: int) -> torch.Tensor:
+    """Top-``topk`` positions of each row of ``logits [T, N]`` (``-inf`` = not visible): [T, topk] int32.
 
-    A token with at most ``topk`` positions selects all of them; dead tokens select none.
+    Ascending, -1 padded at the end; a row with at most ``topk`` visible positions selects all
+    of them (as ``select_topk`` in the reference).
     """
-    C = logits.shape[1]
-    k = min(topk, C)
-    idx = torch.topk(logits, k, dim=-1).indices  # [T, k]; masked (-inf) positions rank last
-    ok = (idx <= pos.unsqueeze(1)) & live.unsqueeze(1)
-    key = torch.where(ok, idx, C).sort(-1).values  # invalid entries sort last as C
-    sel = torch.where(key < C, key, -1).to(torch.int32)
+    T, N = logits.shape
+    k = min(topk, N)
+    vals, idx = torch.topk(logits, k, dim=-1, sorted=False)
+    keyed = torch.where(vals > float("-inf"), idx, N).sort(-1).values  # invisible entries sort last as N
+    sel = torch.where(keyed < N, keyed, -1).to(torch.int32)
     return F.pad(sel, (0, topk - k), value=-1)
 
 
@@ -167,5 +170,5 @@ def dsa_indexer_batched(
     w_fold = weights.float() * q_scale * (Di ** -0.5) * (Hi ** -0.5)  # [T, Hi]
     pos = token_positions(seq_lens, q_len)  # [T]
     logits = _index_logits(q_fp8, w_fold, index_cache, index_scale, block_table, seq_lens, q_len)
-    logits.masked_fill_(torch.arange(logits.shape[1], device=pos.device) > pos.unsqueeze(1), float("-inf"))
-    return _select_topk(logits, pos, slot_mapping >= 0, topk)
+    unseen = (torch.arange(logits.shape[1], device=pos.device) > pos.unsqueeze(1)) | (slot_mapping < 0).unsqueeze(1)
+    return select_topk_positions(logits.masked_fill_(unseen, float("-inf")), topk)

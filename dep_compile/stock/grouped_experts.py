@@ -35,6 +35,6 @@ def routed_experts_grouped(
     h = torch._grouped_mm(x[tok], w13.transpose(1, 2), offs=offs)  # [T*K, 2I] BF16
     a = situ(h[:, : two_i // 2], h[:, two_i // 2 :], beta, beta_lin).to(x.dtype)
     y = torch._grouped_mm(a, w2.transpose(1, 2), offs=offs).float()  # [T*K, Lat]
-    w = torch.where(valid, topk_weights.float(), 0.0).flatten()[order]
+    w = topk_weights.float().flatten()[order]  # rows of other ranks' experts are zeroed below
     y = torch.where(valid.flatten()[order].unsqueeze(1), y * w.unsqueeze(1), 0.0)
     return torch.zeros(T, w2.shape[1], dtype=torch.float32, device=x.device).index_add_(0, tok, y)

@@ -84,6 +84,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .paged_insert import insert_rows_triton
 from .reference.common import l2_normalize
 from .reference.kda import decay_gate
 
@@ -319,23 +320,13 @@ def recurrence_torch(q, k, v, g, beta, A_log, dt_bias, state, accepted, lower_bo
     return torch.stack(outs, 1), committed
 
 
-@triton.jit
-def _scatter_kernel(src_ptr, dst_ptr, idx_ptr, stride_dst, N, BLOCK: tl.constexpr):
-    """Program (b, block): copy ``BLOCK`` elements of ``src[b]`` into slot ``idx[b]`` unless it is -1."""
-    b = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    slot = tl.load(idx_ptr + b).to(tl.int64)
-    m = (offs < N) & ((tl.zeros([BLOCK], tl.int64) + slot) >= 0)
-    x = tl.load(src_ptr + b.to(tl.int64) * N + offs, mask=m)
-    tl.store(dst_ptr + tl.maximum(slot, 0) * stride_dst + offs, x, mask=m)
-
-
 def scatter_states(rec_state, states, state_indices, block: int = 4096):
-    """``rec_state[state_indices[b]] = states[b]`` for every b with a slot >= 0 (padding skipped, no sync)."""
-    B = states.shape[0]
-    n = states[0].numel()
-    _scatter_kernel[(B, triton.cdiv(n, block))](states.contiguous(), rec_state, state_indices, rec_state.stride(0),
-                                                n, BLOCK=block)
+    """``rec_state[state_indices[b]] = states[b]`` for every b with a slot >= 0 (padding skipped, no sync).
+
+    rec_state: [S, H, Dv, Dk] with each slot contiguous, written as a paged cache of one-row blocks.
+    """
+    insert_rows_triton(rec_state.flatten(1).unsqueeze(1), state_indices, states.reshape(states.shape[0], -1),
+                       block=block)
 
 
 def _recurrence_torch_step(c: ConvOut, A_log, dt_bias, rec_state, state_indices, accepted, q_len, H, D,

@@ -1,4 +1,4 @@
-"""Paged cache insert without a host sync: one Triton program per token on CUDA, the reference elsewhere.
+"""Paged cache insert without a host sync: Triton programs per (token, run of a row) on CUDA, the reference elsewhere.
 
 ``insert_rows_paged(cache, slot_mapping, rows)`` writes ``rows [T, W]`` into ``cache [NB, BS, W]``
 at flat slots ``slot_mapping [T]`` (``slot // BS`` = block, ``slot % BS`` = offset; -1 = skip),
@@ -26,26 +26,30 @@ if triton is not None:
 
     @triton.jit
     def _insert_rows_kernel(cache, slots, rows, BS, W, s_cb, s_co, s_cw, s_rt, s_rw, BLOCK_W: tl.constexpr):
-        """Program t copies row t into the cache at slots[t]; a negative slot stores nothing."""
+        """Program (t, j) copies elements ``j*BLOCK_W ..`` of row t into the cache at slots[t]; a
+        negative slot stores nothing."""
         t = tl.program_id(0).to(tl.int64)
         slot = tl.load(slots + t).to(tl.int64)
-        w = tl.arange(0, BLOCK_W)
+        w = tl.program_id(1).to(tl.int64) * BLOCK_W + tl.arange(0, BLOCK_W)
         mask = w < tl.where(slot >= 0, W, 0)  # nothing for padding tokens
         row = tl.load(rows + t * s_rt + w * s_rw, mask=mask)
         s = tl.maximum(slot, 0)
         tl.store(cache + (s // BS) * s_cb + (s % BS) * s_co + w * s_cw, row, mask=mask)
 
 
-def insert_rows_triton(cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor) -> None:
-    """The Triton insert (CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``)."""
+def insert_rows_triton(cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor, *,
+                       block: int = 4096) -> None:
+    """The Triton insert (CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``); ``block``
+    elements of a row per program."""
     T, W = rows.shape
     if T == 0:
         return
     bits = _BITS[cache.element_size()]
     dst = cache.view(bits)  # [NB, BS, W], same strides
     src = rows.to(cache.dtype).view(bits)  # [T, W]
-    _insert_rows_kernel[(T,)](dst, slot_mapping, src, cache.shape[1], W, *dst.stride(), *src.stride(),
-                              BLOCK_W=triton.next_power_of_2(W))
+    bw = min(block, triton.next_power_of_2(W))
+    _insert_rows_kernel[(T, triton.cdiv(W, bw))](dst, slot_mapping, src, cache.shape[1], W, *dst.stride(),
+                                                 *src.stride(), BLOCK_W=bw)
 
 
 def insert_rows_paged(cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor) -> None:
