@@ -8,7 +8,7 @@ Both sides are CUDA-graph captured, on the same inputs, in one process. The laye
 >400 MB of weights per step (7x the 60 MB L2), so weights are not rotated. For each batch it
 prints the layer's median µs both ways and their ratio, the experts call alone, and the
 non-expert part (layer - experts) both ways; the floor counts the non-expert weights plus
-the touched experts' weights. ``--trace`` writes a profiler trace of one kimi_dep step
+the touched experts' weights. ``--trace`` writes a profiler trace of one step each way at ``--trace-rows``
 (CUDA-graph replays; router and shared expert on the side stream) and prints how much
 side-stream kernel time overlaps main-stream kernels.
 """
@@ -55,6 +55,7 @@ def main() -> None:
     ap.add_argument("--local-experts", type=int, default=56)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--trace", action="store_true")
+    ap.add_argument("--trace-rows", type=int, default=16)
     args = ap.parse_args()
     torch.manual_seed(0)
     for knob in ("cache_size_limit", "recompile_limit"):  # one graph per batch size, both backends
@@ -112,11 +113,13 @@ def main() -> None:
                     "kimi_dep": [r["nonexpert_dep_us"] for r in rows_out]}},
     ], xlabel="rows", ylabel="µs")
     if args.trace:
-        overlap_report(dep, cfg, args.out)
+        overlap_report(dep, cfg, args.out, args.trace_rows)
+        overlap_report(stock, cfg, args.out, args.trace_rows, name="stock")
 
 
-def overlap_report(fn, cfg, out_dir: str, rows: int = 16) -> None:
-    """Profile CUDA-graph replays of a kimi_dep step; report side-stream kernel time overlapping main."""
+def overlap_report(fn, cfg, out_dir: str, rows: int = 16, name: str = "kimi_dep") -> None:
+    """Profile CUDA-graph replays of one step; print the last replay's kernel timeline (stream, start,
+    duration) and how much side-stream kernel time overlaps main-stream kernels."""
     from torch.profiler import ProfilerActivity, profile
 
     x = torch.randn(rows, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
@@ -136,12 +139,18 @@ def overlap_report(fn, cfg, out_dir: str, rows: int = 16) -> None:
             for _ in range(3):
                 graph.replay()
             torch.cuda.synchronize()
-    path = os.path.join(out_dir, "moe_trace.json")
+    path = os.path.join(out_dir, f"moe_trace_{name}_{rows}.json")
     prof.export_chrome_trace(path)
     events = [e for e in json.load(open(path))["traceEvents"] if e.get("cat") == "kernel"]
     streams: dict = {}
     for e in events:
         streams.setdefault(e["args"].get("stream"), []).append((e["ts"], e["ts"] + e["dur"], e["name"]))
+    per_step = len(events) // 3
+    last = sorted(events, key=lambda e: e["ts"])[-per_step:]
+    t0 = last[0]["ts"]
+    print(f"{name}, {rows} rows: kernel timeline of one replay (µs from its first kernel)")
+    for e in last:
+        print(f"  stream {e['args'].get('stream')!s:>3} {e['ts'] - t0:8.1f} {e['dur']:7.1f}  {e['name'][:80]}")
     if len(streams) < 2:
         print(f"trace: kernels on {len(streams)} stream(s): no side-stream overlap")
         return
@@ -154,7 +163,7 @@ def overlap_report(fn, cfg, out_dir: str, rows: int = 16) -> None:
             side_total += b - a
             for c, d, _ in streams[main_s]:
                 overlap += max(0.0, min(b, d) - max(a, c))
-    print(f"trace ({rows} rows, 3 graph replays): {len(streams)} streams; side-stream kernels {side_total:.1f} µs, "
+    print(f"{name} trace ({rows} rows, 3 graph replays): {len(streams)} streams; side-stream kernels {side_total:.1f} µs, "
           f"{overlap:.1f} µs of it overlapping main-stream kernels; trace in {path}")
 
 

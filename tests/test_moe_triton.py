@@ -55,3 +55,32 @@ def test_rms_norm_fused(latent, T):
     from dep_compile.ops.norm_triton import rms_norm_fused  # noqa: PLC0415
 
     within_one_ulp(rms_norm_fused(x.to(_DEV), w.to(_DEV), 1e-5), ref)
+
+
+ROUTER_SIZES = [s for s in ((896, 7168, 16), (100, 256, 8)) if _DEV != "cpu" or s[0] < 500]
+
+
+@pytest.mark.parametrize("experts,hidden,top_k", ROUTER_SIZES)
+@pytest.mark.parametrize("T", [1, 7, 64])
+def test_route_sigmoid_topk(experts, hidden, top_k, T):
+    """The two-launch router against FP32 torch on the same BF16 operands: the picked ids are a
+    top-k of the reference keys (within FP32 summation-order noise), the weights are the
+    reference scores of those ids, renormalized and scaled."""
+    _mt()
+    from dep_compile.ops.router_triton import route_sigmoid_topk  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(T + 2)
+    x = torch.randn(T, hidden, generator=g).to(torch.bfloat16)
+    gate_w = (torch.randn(experts, hidden, generator=g) / hidden ** 0.5).to(torch.bfloat16)
+    bias = 0.1 * torch.randn(experts, generator=g)
+    w, ids = route_sigmoid_topk(x.to(_DEV), gate_w.to(_DEV), bias.to(_DEV), top_k, 2.5)
+    w, ids = w.cpu(), ids.cpu()
+    assert w.dtype == torch.float32 and ids.dtype == torch.int64 and ids.shape == (T, top_k)
+    scores = torch.sigmoid(x.float() @ gate_w.float().t())
+    keyed = scores + bias
+    assert all(len(set(row.tolist())) == top_k for row in ids), "an expert picked twice"
+    assert int(ids.min()) >= 0 and int(ids.max()) < experts
+    picked = keyed.gather(1, ids)
+    torch.testing.assert_close(picked, keyed.topk(top_k).values, rtol=0, atol=1e-5)  # descending top-k keys
+    ref_w = scores.gather(1, ids)
+    torch.testing.assert_close(w, ref_w / ref_w.sum(-1, keepdim=True) * 2.5, rtol=1e-5, atol=1e-6)

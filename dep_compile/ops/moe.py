@@ -34,6 +34,10 @@ class EpMoeLayer:
 
     def route(self, x: Tensor, gate_w: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
         """Sigmoid top-k: FP32 logits, bias for selection only, renormalized, scaled."""
+        if x.is_cuda and x.shape[0] <= self.front_max:  # two Triton launches instead of ~15
+            from .router_triton import route_sigmoid_topk
+
+            return route_sigmoid_topk(x, gate_w, bias, self.top_k, self.scale)
         if x.is_cuda:  # BF16 operands, FP32 accumulate and output: no FP32 copy of the weight
             logits = torch.mm(x, gate_w.t(), out_dtype=torch.float32)
         else:

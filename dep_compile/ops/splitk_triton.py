@@ -75,6 +75,7 @@ except ImportError:  # pragma: no cover - older Triton
 
 __all__ = [
     "splitk_linear",
+    "splitk_partials",
     "splitk_workspace",
     "splitk_workspace_numel",
     "splitk_block_m",
@@ -175,6 +176,7 @@ def _splitk_kernel(
     USE_TMA: tl.constexpr,
     USE_PDL: tl.constexpr,
     PREFETCH_K: tl.constexpr,  # with USE_PDL: columns of w per row to prefetch to L2 before waiting
+    PARTIALS_ONLY: tl.constexpr = False,  # store the FP32 partials and stop: a consumer kernel sums them
     INTERPRET: tl.constexpr = False,  # Triton's CPU interpreter: its bf16 tl.dot is wrong, use fp32
 ):
     pid = tl.program_id(0)
@@ -238,6 +240,8 @@ def _splitk_kernel(
         mn = M.to(tl.int64) * N
         p_ptrs = part_ptr + offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
         tl.store(p_ptrs + pid_k * mn, acc, mask=out_mask)
+        if PARTIALS_ONLY:
+            return
         # Every thread's partial is written before thread 0 releases the arrival.
         tl.debug_barrier()
         n_tiles = tl.num_programs(0) // SPLIT_K
@@ -342,6 +346,20 @@ def splitk_linear(
         launch_pdl=bool(pdl),
     )
     return out
+
+
+def splitk_partials(x: torch.Tensor, w: torch.Tensor, tactic: SplitK) -> torch.Tensor:
+    """The ``tactic.split_k`` FP32 partial products ``[S, M, N]`` of ``x[M, K] @ w[N, K]^T``, one per
+    K-slice, for a consumer kernel to sum in slice order (no workspace, no counters)."""
+    parts = torch.empty(tactic.split_k, x.shape[0], w.shape[0], dtype=torch.float32, device=x.device)
+    m, n, k = _check(x, w, parts[0])
+    _splitk_kernel[splitk_grid(m, n, tactic)](
+        x, w, None, parts, parts, parts, m, n, k, x.stride(0), w.stride(0), n, _k_per_split(k, tactic),
+        BLOCK_M=splitk_block_m(m), BLOCK_N=tactic.block_n, BLOCK_K=tactic.block_k, SPLIT_K=tactic.split_k,
+        EVEN_K=(k % tactic.block_k == 0), USE_TMA=False, USE_PDL=False, PREFETCH_K=0, PARTIALS_ONLY=True,
+        INTERPRET=_INTERPRET, num_warps=tactic.num_warps, num_stages=splitk_num_stages(m, tactic),
+    )
+    return parts
 
 
 def fp32_linear_oracle(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
