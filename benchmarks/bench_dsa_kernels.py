@@ -1,6 +1,6 @@
 """Tuning sweep of the Triton DSA kernels (``dep_compile.ops.dsa_triton``) at full K3.1 size.
 
-    python benchmarks/bench_dsa_kernels.py [--tokens 1 16 64] [--context 4096 32768] [--out DIR]
+    python benchmarks/bench_dsa_kernels.py [--tokens 1 16 64] [--context 4096 32768] [--kernels ...] [--out DIR]
 
 For each (tokens, context) point (one token per request, block size 64) it times, with CUDA
 events over CUDA-graph replays (medians, ``common.time_graph``), every listed configuration of
@@ -8,7 +8,8 @@ events over CUDA-graph replays (medians, ``common.time_graph``), every listed co
 * ``index_logits`` (keys per step, steps per program, warps, pipeline stages),
 * top-k: torch (``select_topk_positions``: topk + sort) against the one-launch radix select
   (``select_topk_triton``, chunk size, warps),
-* ``sparse_mla_decode_latent`` (heads per program, entries per step, warps, pipeline stages),
+* ``sparse_mla_decode_latent`` (heads per program, entries per step, warps, pipeline stages,
+  value splits, positions or cache rows), each first checked against the default,
 
 and prints µs per configuration, the best, and the bytes each must move (keys at 132 B per
 position; selected latents at 1152 B per entry) as TB/s. At small points the caches fit in
@@ -70,26 +71,46 @@ def sweep(name: str, configs: list[dict], fn, nbytes: float, T: int, ctx: int) -
     return rows
 
 
-def sweep_point(dt, T: int, ctx: int) -> list[dict]:
-    """Every kernel's sweep at one (tokens, context) point (its tensors freed on return)."""
+def sweep_point(dt, T: int, ctx: int, kernels: set[str]) -> list[dict]:
+    """The sweeps of ``kernels`` at one (tokens, context) point (its tensors freed on return)."""
     c = make_case(T, ctx)
     key_bytes = T * ctx * (DI + 4)
     logits_fn = lambda **k: dt.index_logits(c["q_idx"], c["weights"], c["index_cache"], c["index_scale"],  # noqa: E731
                                             c["block_table"], c["seq_lens"], c["slot_mapping"], 1, **k)
-    results = sweep("index_logits", [dict(block_n=b, steps=s, num_warps=w, num_stages=ns) for b in (64, 128)
-                                     for s in (1, 4, 16) for w in (4, 8) for ns in (2, 3)],
-                    logits_fn, key_bytes, T, ctx)
+    results = []
+    if "index_logits" in kernels:
+        results += sweep("index_logits", [dict(block_n=b, steps=s, num_warps=w, num_stages=ns) for b in (64, 128)
+                                          for s in (1, 4, 16) for w in (4, 8) for ns in (2, 3)],
+                         logits_fn, key_bytes, T, ctx)
     logits = logits_fn()
     topk_torch = lambda: dt.select_topk_positions(logits, TOPK)  # noqa: E731
-    results += sweep("topk_torch", [{}], topk_torch, T * ctx * 4, T, ctx)
-    results += sweep("topk_triton", [dict(block=b, num_warps=w) for b in (1024, 2048, 4096) for w in (4, 8, 16)],
-                     lambda **k: dt.select_topk_triton(logits, TOPK, **k), T * ctx * 4, T, ctx)
+    if "topk" in kernels:
+        results += sweep("topk_torch", [{}], topk_torch, T * ctx * 4, T, ctx)
+        results += sweep("topk_triton", [dict(block=b, num_warps=w) for b in (1024, 2048, 4096) for w in (4, 8, 16)],
+                         lambda **k: dt.select_topk_triton(logits, TOPK, **k), T * ctx * 4, T, ctx)
     topk = topk_torch()
     assert torch.equal(dt.select_topk_triton(logits, TOPK), topk), "top-k kernels disagree"
-    mla_fn = lambda **k: dt.sparse_mla_decode_latent(c["query"], c["kv_cache"], c["block_table"], topk,  # noqa: E731
-                                                     c["slot_mapping"], 1, L, 192 ** -0.5, **k)
-    configs = [dict(block_h=h, block_n=n, num_warps=w, num_stages=ns) for h in (32, 64) for n in (32, 64)
-               for w in (4, 8) for ns in (1, 2, 3)]
+    if "sparse_mla" not in kernels:
+        return results
+    rows = dt.physical_rows(topk, c["block_table"], 1, BS)
+    ref = dt.sparse_mla_decode_latent(c["query"], c["kv_cache"], c["block_table"], topk, c["slot_mapping"], 1, L,
+                                      192 ** -0.5).float()
+
+    def mla_fn(physical=False, **k):
+        return dt.sparse_mla_decode_latent(c["query"], c["kv_cache"], c["block_table"], rows if physical else topk,
+                                           c["slot_mapping"], 1, L, 192 ** -0.5, physical=physical, **k)
+
+    tiles = [(64, 64, 8, 3), (64, 64, 8, 2), (32, 64, 8, 3), (64, 32, 8, 3), (64, 64, 4, 3), (32, 64, 4, 2),
+             (32, 32, 4, 2)]
+    configs = [dict(block_h=h, block_n=n, num_warps=w, num_stages=ns, value_splits=vs, physical=ph)
+               for h, n, w, ns in tiles for vs in (1, 2) for ph in (False, True)]
+    for cfg in configs:  # every variant computes the same output
+        try:
+            got = mla_fn(**cfg).float()
+        except Exception:  # noqa: BLE001 - does not compile (registers, smem): the sweep reports it
+            continue
+        err = float((got - ref).abs().max())
+        assert err < 2e-2, f"sparse_mla {cfg}: max abs diff {err:.2e} from the default configuration"
     return results + sweep("sparse_mla", configs, mla_fn, T * min(ctx, TOPK) * (L + R) * 2, T, ctx)
 
 
@@ -97,13 +118,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--context", type=int, nargs="+", default=[4096, 32768])
+    ap.add_argument("--kernels", nargs="+", default=["index_logits", "topk", "sparse_mla"],
+                    choices=["index_logits", "topk", "sparse_mla"])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     from dep_compile.ops import dsa_triton as dt  # noqa: PLC0415 - CUDA only
 
     results = []
     for T, ctx in itertools.product(args.tokens, args.context):
-        results += sweep_point(dt, T, ctx)
+        results += sweep_point(dt, T, ctx, set(args.kernels))
         torch.cuda.empty_cache()
     write_json(os.path.join(args.out, "dsa_kernels.json"), {"results": results})
 

@@ -318,16 +318,44 @@ def test_sparse_mla_latent_splits(splits):
 
 
 @pytest.mark.parametrize("extra", [0, 1])
-def test_select_topk_dispatch(extra):
-    """select_topk at TOPK_TRITON_MAX_N positions (the radix kernel) and one more (torch): the
-    reference's select_topk on every row (random logits: no ties), rows with -inf tails."""
+def test_select_rows_dispatch(extra):
+    """select_rows at TOPK_TRITON_MAX_N positions (the radix kernel: latent-cache rows through a
+    shuffled block table shared by q_len = 2 tokens a request) and one more (torch: positions):
+    the reference's select_topk on every row (random logits: no ties), rows with -inf tails."""
     dt = _dt()
-    N = dt.TOPK_TRITON_MAX_N + extra
+    N, BS = dt.TOPK_TRITON_MAX_N + extra, 64
     g = torch.Generator().manual_seed(N)
-    x = torch.randn(3, N, generator=g)
-    vis = [N, 5000, 100]
+    x = torch.randn(4, N, generator=g)
+    vis = [N, 5000, 100, N - 7]
     for t, v in enumerate(vis):
         x[t, v:] = float("-inf")
-    got = dt.select_topk(x.to(_DEV), 2048).cpu()
+    mb = -(-N // BS)
+    block_table = torch.randperm(2 * mb + 3, generator=g)[: 2 * mb].view(2, mb).to(torch.int32)
+    got, physical = dt.select_rows(x.to(_DEV), 2048, block_table.to(_DEV), 2, BS)
+    assert physical == (extra == 0)
     for t, v in enumerate(vis):
-        assert torch.equal(got[t], select_topk(x[t, :v], 2048)), f"row {t}"
+        want = select_topk(x[t, :v], 2048)
+        if physical:
+            want = dt.physical_rows(want[None], block_table[t // 2 : t // 2 + 1], 1, BS)[0]
+        assert torch.equal(got[t].cpu(), want), f"row {t}"
+
+
+@pytest.mark.parametrize("value_splits,physical", [(2, False), (1, True), (2, True)])
+def test_sparse_mla_latent_variants(value_splits, physical):
+    """Value columns split across programs, and cache rows given instead of positions
+    (``physical_rows``): the same output as the reference; tolerances as test_sparse_mla_latent."""
+    dt = _dt()
+    size = "full" if _DEV != "cpu" else "small64"
+    c = make_case(size, 2, seed=11, device=_DEV)
+    r = cpu(c)
+    topk = select_topk_like(r)
+    idx = topk.to(_DEV)
+    if physical:
+        idx = dt.physical_rows(idx, c["block_table"], 2, c["kv_cache"].shape[1])
+    got = dt.sparse_mla_decode_latent(c["query"], c["kv_cache"], c["block_table"], idx, c["slot_mapping"], 2,
+                                      c["L"], c["scale"], block_n=min(64, c["topk"] // 2),
+                                      value_splits=value_splits, physical=physical).float().cpu()
+    ref = ref_sparse_latent(r, topk)
+    assert (got[r["slot_mapping"] < 0] == 0).all(), "padding tokens must be 0"
+    rel = float((got - ref).norm() / ref.norm())
+    assert rel <= 1e-2 and float((got - ref).abs().max()) <= 2e-2, f"rel {rel:.2e}"

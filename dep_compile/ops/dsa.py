@@ -85,7 +85,7 @@ class PreparedDsa:
         to the capturing stream); tensors crossing streams are recorded on the stream that
         reads them. The sparse MLA is a split-KV kernel over the selected latents.
         """
-        from .dsa_triton import (absorb_query, index_key_insert, index_logits, latent_insert, select_topk,
+        from .dsa_triton import (absorb_query, index_key_insert, index_logits, latent_insert, select_rows,
                                  sparse_mla_decode_latent, uv_gate)
         from .norm_triton import rms_norm_fused
 
@@ -101,7 +101,8 @@ class PreparedDsa:
             index_key_insert(k_idx, k_norm_w, k_norm_b, self.k_norm_eps, index_cache, index_scale, slot_mapping)
             logits = index_logits(q_idx, w_idx, index_cache, index_scale, block_table, seq_lens, slot_mapping,
                                   q_len)
-            topk = select_topk(logits, self.topk)  # [T, topk] int32 positions, ascending, -1 padded
+            # [T, topk] int32 selected positions (ascending), -1 padded, or the cache rows they live in
+            topk, physical = select_rows(logits, self.topk, block_table, q_len, kv_cache.shape[1])
             selected = torch.cuda.Event()
             selected.record(side)
         for t in (q_a, k_idx, w_idx):
@@ -113,7 +114,7 @@ class PreparedDsa:
         main.wait_event(selected)
         topk.record_stream(main)
         o_lat = sparse_mla_decode_latent(query, kv_cache, block_table, topk, slot_mapping, q_len, self.kv_lora,
-                                         self.scale, block_n=min(64, self.topk))  # [T, H, L] BF16
+                                         self.scale, block_n=min(64, self.topk), physical=physical)  # [T, H, L] BF16
         return uv_gate(o_lat, w_uv, gate)
 
     def runs_triton(self, kv_cache: Tensor, index_cache: Tensor) -> bool:

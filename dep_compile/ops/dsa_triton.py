@@ -14,11 +14,13 @@ capturable):
   tensor-core dot ``[q_len*Hi, Di] x [Di, BLOCK_N]`` a block of the FP8 values (as BF16:
   exact, with FP32 accumulation), ReLU, the folded head weights, the key scale. Positions
   after the token's own (and padding tokens) get ``-inf``.
-* :func:`select_topk`: the top-k positions, ascending, -1 padded: :func:`select_topk_triton`
-  (one program a row: radix select on the float bits, then compaction in position order) up
-  to ``TOPK_TRITON_MAX_N`` positions, torch's top-k + sort beyond.
+* :func:`select_rows`: the top-k positions, ascending, -1 padded: :func:`select_topk_triton`
+  (one program a row: radix select on the float bits, then compaction in position order,
+  stored as the latent-cache rows they live in) up to ``TOPK_TRITON_MAX_N`` positions,
+  torch's top-k + sort (positions) beyond.
 * :func:`sparse_mla_decode_latent` (two launches: partials + combine): absorbed MLA decode over
-  each token's selected latent rows, flash-decoding style: the 96 query heads are tiled
+  each token's selected latent rows (given as cache rows, the sparse loop has no block-table
+  load between the index and the row it gathers), flash-decoding style: the 96 query heads are tiled
   (``BLOCK_H`` heads per program), the ``topk`` selected entries are split over ``splits``
   programs so a single token still fills the GPU, each program keeps an online softmax over
   its entries, and a combine kernel merges the splits into the BF16 latent output.
@@ -45,7 +47,7 @@ import triton.language as tl
 from ..stock.batched_attention import select_topk_positions
 
 __all__ = ["absorb_query", "latent_insert", "index_key_insert", "index_logits", "select_topk_positions",
-           "select_topk", "select_topk_triton",
+           "select_rows", "select_topk_triton", "physical_rows",
            "sparse_mla_decode_latent", "uv_gate", "dsa_triton_unsupported"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -205,7 +207,8 @@ def _sort_key(x):
 
 
 @triton.jit
-def _topk_kernel(x_ptr, out_ptr, N, stride_x, stride_out, K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
+def _topk_kernel(x_ptr, out_ptr, bt_ptr, N, stride_x, stride_out, stride_bt, K: tl.constexpr, KP: tl.constexpr,
+                 BLOCK: tl.constexpr, ROWS: tl.constexpr, Q_LEN: tl.constexpr, BS: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     row = x_ptr + t * stride_x
     offs = tl.arange(0, BLOCK)
@@ -249,23 +252,33 @@ def _topk_kernel(x_ptr, out_ptr, N, stride_x, stride_out, K: tl.constexpr, KP: t
         eq_rank = eq_seen + tl.cumsum(eq.to(tl.int32), axis=0) - 1
         sel = live & ((key > prefix) | (eq & (eq_rank < need)))
         slot = done + tl.cumsum(sel.to(tl.int32), axis=0) - 1
-        tl.store(out_ptr + t * stride_out + slot, n.to(tl.int32), mask=sel)
+        if ROWS:  # the latent-cache row of each selected position: block_table[request, n // BS] * BS + n % BS
+            blk = tl.load(bt_ptr + (t // Q_LEN) * stride_bt + n // BS, mask=sel, other=0).to(tl.int64)
+            val = (blk * BS + n % BS).to(tl.int32)
+        else:
+            val = n.to(tl.int32)
+        tl.store(out_ptr + t * stride_out + slot, val, mask=sel)
         done += tl.sum(sel.to(tl.int32), axis=0)
         eq_seen += tl.sum(eq.to(tl.int32), axis=0)
     k = tl.arange(0, KP)
     tl.store(out_ptr + t * stride_out + k, tl.full([KP], -1, tl.int32), mask=(k >= done) & (k < K))
 
 
-def select_topk_triton(logits: torch.Tensor, topk: int, *, block: int = 4096, num_warps: int = 8) -> torch.Tensor:
+def select_topk_triton(logits: torch.Tensor, topk: int, *, block: int = 4096, num_warps: int = 8,
+                       rows_of: tuple[torch.Tensor, int, int] | None = None) -> torch.Tensor:
     """:func:`select_topk_positions` in one launch (one program per row): radix select, then the
     selected positions compacted in position order (ascending; ties at the threshold taken from
-    the lowest position). logits: [T, N] FP32 (unit inner stride) -> [T, topk] int32."""
+    the lowest positions). logits: [T, N] FP32 (unit inner stride) -> [T, topk] int32.
+
+    ``rows_of = (block_table, q_len, block_size)``: store each selection's latent-cache row
+    (:func:`physical_rows`) instead of its position."""
     T, N = logits.shape
     out = torch.empty(T, topk, dtype=torch.int32, device=logits.device)
+    bt, q_len, bs = rows_of if rows_of is not None else (out, 1, 1)
     if T:
-        _topk_kernel[(T,)](logits, out, N, logits.stride(0), out.stride(0), K=topk,
+        _topk_kernel[(T,)](logits, out, bt, N, logits.stride(0), out.stride(0), bt.stride(0), K=topk,
                            KP=triton.next_power_of_2(topk), BLOCK=min(block, triton.next_power_of_2(max(N, 16))),
-                           num_warps=num_warps)
+                           ROWS=rows_of is not None, Q_LEN=int(q_len), BS=int(bs), num_warps=num_warps)
     return out
 
 
@@ -275,12 +288,19 @@ def select_topk_triton(logits: torch.Tensor, topk: int, *, block: int = 4096, nu
 TOPK_TRITON_MAX_N = 8192
 
 
-def select_topk(logits: torch.Tensor, topk: int) -> torch.Tensor:
-    """[T, topk] int32 positions, ascending, -1 padded: the one-launch kernel on rows up to
-    ``TOPK_TRITON_MAX_N`` positions, torch's top-k + sort on longer ones (measured faster there)."""
+def select_rows(logits: torch.Tensor, topk: int, block_table: torch.Tensor, q_len: int,
+                block_size: int) -> tuple[torch.Tensor, bool]:
+    """Each token's top-``topk`` positions (ascending, -1 padded) as [T, topk] int32, and whether
+    they are stored as latent-cache rows (``physical`` for :func:`sparse_mla_decode_latent`).
+
+    Up to ``TOPK_TRITON_MAX_N`` positions: the one-launch kernel, translating to cache rows as it
+    stores (free there, and it takes the block-table load out of the sparse MLA's loop). Longer
+    rows: torch's top-k + sort (measured faster there), positions kept: a translating launch
+    would sit on the indexer chain, the critical path at long context, and at 32K it measured
+    within run-to-run noise of positions (docs/perf.md, 2026-11-30)."""
     if logits.shape[1] <= TOPK_TRITON_MAX_N:
-        return select_topk_triton(logits, topk)
-    return select_topk_positions(logits, topk)
+        return select_topk_triton(logits, topk, rows_of=(block_table, q_len, block_size)), True
+    return select_topk_positions(logits, topk), False
 
 
 @triton.jit
@@ -288,14 +308,17 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, bt_ptr, idx_ptr, slot_ptr, o_ptr, m_ptr, l
                        stride_q_t, stride_q_h, stride_kv_blk, stride_kv_off, stride_bt, stride_idx,
                        stride_o_t, stride_o_s, stride_o_h, stride_ml_t, stride_ml_s, scale,
                        Q_LEN: tl.constexpr, H: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BS: tl.constexpr,
-                       BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, F32: tl.constexpr):
+                       BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, VS: tl.constexpr,
+                       PHYS: tl.constexpr, F32: tl.constexpr):
     t = tl.program_id(0)
-    hb = tl.program_id(1)
+    hb = tl.program_id(1) // VS
+    v0 = (tl.program_id(1) % VS) * (L // VS)  # this program's value columns: v0 .. v0 + L/VS
     s = tl.program_id(2)
     b = t // Q_LEN
     h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < H
     dl = tl.arange(0, L)
+    dv = tl.arange(0, L // VS)
     dr = tl.arange(0, R)
     t64 = t.to(tl.int64)
     slot = tl.load(slot_ptr + t)
@@ -304,13 +327,16 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, bt_ptr, idx_ptr, slot_ptr, o_ptr, m_ptr, l
     q_rope = tl.load(q_rows + L + dr[None, :], mask=h_ok[:, None], other=0.0)  # [BLOCK_H, R]
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, L], tl.float32)
+    acc = tl.zeros([BLOCK_H, L // VS], tl.float32)
     for j0 in tl.range(s * CHUNK, (s + 1) * CHUNK, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
         pos = tl.load(idx_ptr + t64 * stride_idx + j)
         ok = (pos >= 0) & ((tl.zeros([BLOCK_N], tl.int64) + slot) >= 0)  # tensor mask (interpreter)
         pos_c = tl.maximum(pos, 0)
-        blk = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + pos_c // BS, mask=ok, other=0).to(tl.int64)
+        if PHYS:  # cache rows (block * BS + offset): no block-table load on the loop's critical path
+            blk = (pos_c // BS).to(tl.int64)
+        else:
+            blk = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + pos_c // BS, mask=ok, other=0).to(tl.int64)
         rows = kv_ptr + blk * stride_kv_blk + (pos_c % BS).to(tl.int64) * stride_kv_off
         k_lat = tl.load(rows[:, None] + dl[None, :], mask=ok[:, None], other=0.0)  # [BLOCK_N, L]
         k_rope = tl.load(rows[:, None] + L + dr[None, :], mask=ok[:, None], other=0.0)  # [BLOCK_N, R]
@@ -321,13 +347,18 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, bt_ptr, idx_ptr, slot_ptr, o_ptr, m_ptr, l
         alpha = tl.exp(m - m_safe)
         p = tl.exp(sc - m_safe[:, None])
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _mm(p.to(tl.bfloat16), k_lat, F32)
+        if VS == 1:
+            k_val = k_lat
+        else:  # this program's value columns of the rows just read (an L1/L2 hit)
+            k_val = tl.load(rows[:, None] + v0 + dv[None, :], mask=ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + _mm(p.to(tl.bfloat16), k_val, F32)
         m = m_new
-    o_rows = o_ptr + t64 * stride_o_t + s * stride_o_s + h.to(tl.int64)[:, None] * stride_o_h + dl[None, :]
+    o_rows = o_ptr + t64 * stride_o_t + s * stride_o_s + h.to(tl.int64)[:, None] * stride_o_h + v0 + dv[None, :]
     tl.store(o_rows, acc, mask=h_ok[:, None])
     ml = t64 * stride_ml_t + s * stride_ml_s + h
-    tl.store(m_ptr + ml, m, mask=h_ok)
-    tl.store(l_ptr + ml, l_sum, mask=h_ok)
+    ml_ok = h_ok & ((tl.zeros([BLOCK_H], tl.int32) + v0) == 0)  # every value split has the same m, l
+    tl.store(m_ptr + ml, m, mask=ml_ok)
+    tl.store(l_ptr + ml, l_sum, mask=ml_ok)
 
 
 @triton.jit
@@ -361,16 +392,29 @@ def _splits(T: int, head_tiles: int, topk: int, block_n: int, sms: int) -> int:
     return s
 
 
+def physical_rows(topk_pos: torch.Tensor, block_table: torch.Tensor, q_len: int, block_size: int) -> torch.Tensor:
+    """Selected positions [T, K] (-1 = none) -> latent-cache rows ``block * block_size + offset``
+    (-1 = none), int32, for :func:`sparse_mla_decode_latent` with ``physical=True``."""
+    req = torch.arange(topk_pos.shape[0], device=topk_pos.device) // q_len
+    pos = topk_pos.clamp_min(0).long()
+    blk = block_table[req[:, None], pos // block_size].long()
+    return torch.where(topk_pos >= 0, blk * block_size + pos % block_size, -1).to(torch.int32)
+
+
 def sparse_mla_decode_latent(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                              topk_indices: torch.Tensor, slot_mapping: torch.Tensor, q_len: int, kv_lora: int,
                              scale: float, *, block_h: int | None = None, block_n: int = 64,
-                             splits: int | None = None, num_warps: int = 8, num_stages: int = 3) -> torch.Tensor:
+                             splits: int | None = None, value_splits: int = 1, physical: bool = False,
+                             num_warps: int = 8, num_stages: int = 3) -> torch.Tensor:
     """Absorbed sparse MLA decode: softmax(query . ctx * scale) @ ctx[:, :kv_lora] per head: [T, H, L] BF16.
 
     query: [T, H, L+R] BF16 (absorbed q_nope | q_rope; unit inner stride); kv_cache:
     [NB, BS, L+R] BF16 (unit inner stride); block_table: [B, MB]; topk_indices: [T, K] int32
-    positions in the request (-1 = none; K a multiple of ``block_n``); slot_mapping: [T]
+    positions in the request (-1 = none; K a multiple of ``block_n``), or with ``physical``
+    cache rows ``block * BS + offset`` (block_table unused); slot_mapping: [T]
     (-1 = padding token: output 0). A token with no selected entry gets 0.
+    ``value_splits``: programs sharing one head tile, each accumulating ``L / value_splits``
+    value columns (each recomputes the scores: fewer registers, more programs).
     """
     T, H, LR = query.shape
     L, R = kv_lora, LR - kv_lora
@@ -383,20 +427,22 @@ def sparse_mla_decode_latent(query: torch.Tensor, kv_cache: torch.Tensor, block_
         return out
     head_tiles = triton.cdiv(H, block_h)
     sms = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else 8
-    n_split = splits or _splits(T, head_tiles, K, block_n, sms)
+    n_split = splits or _splits(T, head_tiles * value_splits, K, block_n, sms)
     if K % (n_split * block_n):  # each program's entries must be whole blocks of one row
         raise ValueError(f"top-k {K} is not a multiple of splits {n_split} x block_n {block_n}")
     chunk = K // n_split
     o_part = torch.empty(T, n_split, H, L, dtype=torch.float32, device=query.device)
     m_part = torch.empty(T, n_split, H, dtype=torch.float32, device=query.device)
     l_part = torch.empty_like(m_part)
-    _sparse_mla_kernel[(T, head_tiles, n_split)](
+    if L % value_splits or not _pow2(L // value_splits):
+        raise ValueError(f"kv_lora {L} does not split into {value_splits} power-of-two value slices")
+    _sparse_mla_kernel[(T, head_tiles * value_splits, n_split)](
         query, kv_cache, block_table, topk_indices, slot_mapping, o_part, m_part, l_part,
         query.stride(0), query.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
         topk_indices.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2), m_part.stride(0),
         m_part.stride(1), float(scale),
         Q_LEN=int(q_len), H=H, L=L, R=R, BS=kv_cache.shape[1], BLOCK_H=block_h, BLOCK_N=block_n, CHUNK=chunk,
-        F32=_INTERPRET, num_warps=num_warps, num_stages=num_stages)
+        VS=int(value_splits), PHYS=bool(physical), F32=_INTERPRET, num_warps=num_warps, num_stages=num_stages)
     _combine_kernel[(T, H)](
         o_part, m_part, l_part, out, o_part.stride(0), o_part.stride(1), o_part.stride(2), m_part.stride(0),
         m_part.stride(1), out.stride(0), out.stride(1), SPLITS=n_split, SP=triton.next_power_of_2(n_split), L=L,
@@ -531,6 +577,10 @@ def dsa_triton_unsupported(kv_cache: torch.Tensor, index_cache: torch.Tensor, *,
         return f"topk {topk} not a multiple of {block_n}"
     if kv_cache.dtype != torch.bfloat16 or kv_cache.stride(-1) != 1:
         return "latent cache not BF16 with unit inner stride"
+    if kv_cache.shape[0] * kv_cache.shape[1] >= 2 ** 31:
+        return "latent cache has more rows than int32 row indices address"
+    if index_cache.shape[1] != kv_cache.shape[1]:
+        return f"index cache block size {index_cache.shape[1]} != latent cache block size {kv_cache.shape[1]}"
     if index_cache.dtype != torch.float8_e4m3fn or index_cache.stride(-1) != 1:
         return "index cache not FP8 e4m3 with unit inner stride"
     return None
