@@ -9,7 +9,7 @@ events over CUDA-graph replays (medians, ``common.time_graph``), every listed co
 * top-k: torch (``select_topk_positions``: topk + sort) against the one-launch radix select
   (``select_topk_triton``, chunk size, warps),
 * ``sparse_mla_decode_latent`` (heads per program, entries per step, warps, pipeline stages,
-  value splits, positions or cache rows), each first checked against the default,
+  positions or cache rows), each first checked against the default,
 
 and prints µs per configuration, the best, and the bytes each must move (keys at 132 B per
 position; selected latents at 1152 B per entry) as TB/s. At small points the caches fit in
@@ -102,8 +102,8 @@ def sweep_point(dt, T: int, ctx: int, kernels: set[str]) -> list[dict]:
 
     tiles = [(64, 64, 8, 3), (64, 64, 8, 2), (32, 64, 8, 3), (64, 32, 8, 3), (64, 64, 4, 3), (32, 64, 4, 2),
              (32, 32, 4, 2)]
-    configs = [dict(block_h=h, block_n=n, num_warps=w, num_stages=ns, value_splits=vs, physical=ph)
-               for h, n, w, ns in tiles for vs in (1, 2) for ph in (False, True)]
+    configs = [dict(block_h=h, block_n=n, num_warps=w, num_stages=ns, physical=ph)
+               for h, n, w, ns in tiles for ph in (False, True)]
     for cfg in configs:  # every variant computes the same output
         try:
             got = mla_fn(**cfg).float()

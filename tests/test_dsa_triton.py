@@ -340,21 +340,17 @@ def test_select_rows_dispatch(extra):
         assert torch.equal(got[t].cpu(), want), f"row {t}"
 
 
-@pytest.mark.parametrize("value_splits,physical", [(2, False), (1, True), (2, True)])
-def test_sparse_mla_latent_variants(value_splits, physical):
-    """Value columns split across programs, and cache rows given instead of positions
-    (``physical_rows``): the same output as the reference; tolerances as test_sparse_mla_latent."""
+def test_sparse_mla_latent_rows():
+    """Cache rows (``physical_rows``) given instead of positions: the same output as the
+    reference; tolerances as test_sparse_mla_latent."""
     dt = _dt()
     size = "full" if _DEV != "cpu" else "small64"
     c = make_case(size, 2, seed=11, device=_DEV)
     r = cpu(c)
     topk = select_topk_like(r)
-    idx = topk.to(_DEV)
-    if physical:
-        idx = dt.physical_rows(idx, c["block_table"], 2, c["kv_cache"].shape[1])
-    got = dt.sparse_mla_decode_latent(c["query"], c["kv_cache"], c["block_table"], idx, c["slot_mapping"], 2,
-                                      c["L"], c["scale"], block_n=min(64, c["topk"] // 2),
-                                      value_splits=value_splits, physical=physical).float().cpu()
+    rows = dt.physical_rows(topk.to(_DEV), c["block_table"], 2, c["kv_cache"].shape[1])
+    got = dt.sparse_mla_decode_latent(c["query"], c["kv_cache"], c["block_table"], rows, c["slot_mapping"], 2,
+                                      c["L"], c["scale"], block_n=min(64, c["topk"] // 2), physical=True).float().cpu()
     ref = ref_sparse_latent(r, topk)
     assert (got[r["slot_mapping"] < 0] == 0).all(), "padding tokens must be 0"
     rel = float((got - ref).norm() / ref.norm())

@@ -308,17 +308,15 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, bt_ptr, idx_ptr, slot_ptr, o_ptr, m_ptr, l
                        stride_q_t, stride_q_h, stride_kv_blk, stride_kv_off, stride_bt, stride_idx,
                        stride_o_t, stride_o_s, stride_o_h, stride_ml_t, stride_ml_s, scale,
                        Q_LEN: tl.constexpr, H: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BS: tl.constexpr,
-                       BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, VS: tl.constexpr,
-                       PHYS: tl.constexpr, F32: tl.constexpr):
+                       BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, PHYS: tl.constexpr,
+                       F32: tl.constexpr):
     t = tl.program_id(0)
-    hb = tl.program_id(1) // VS
-    v0 = (tl.program_id(1) % VS) * (L // VS)  # this program's value columns: v0 .. v0 + L/VS
+    hb = tl.program_id(1)
     s = tl.program_id(2)
     b = t // Q_LEN
     h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < H
     dl = tl.arange(0, L)
-    dv = tl.arange(0, L // VS)
     dr = tl.arange(0, R)
     t64 = t.to(tl.int64)
     slot = tl.load(slot_ptr + t)
@@ -327,7 +325,7 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, bt_ptr, idx_ptr, slot_ptr, o_ptr, m_ptr, l
     q_rope = tl.load(q_rows + L + dr[None, :], mask=h_ok[:, None], other=0.0)  # [BLOCK_H, R]
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, L // VS], tl.float32)
+    acc = tl.zeros([BLOCK_H, L], tl.float32)
     for j0 in tl.range(s * CHUNK, (s + 1) * CHUNK, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
         pos = tl.load(idx_ptr + t64 * stride_idx + j)
@@ -347,18 +345,13 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, bt_ptr, idx_ptr, slot_ptr, o_ptr, m_ptr, l
         alpha = tl.exp(m - m_safe)
         p = tl.exp(sc - m_safe[:, None])
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        if VS == 1:
-            k_val = k_lat
-        else:  # this program's value columns of the rows just read (an L1/L2 hit)
-            k_val = tl.load(rows[:, None] + v0 + dv[None, :], mask=ok[:, None], other=0.0)
-        acc = acc * alpha[:, None] + _mm(p.to(tl.bfloat16), k_val, F32)
+        acc = acc * alpha[:, None] + _mm(p.to(tl.bfloat16), k_lat, F32)
         m = m_new
-    o_rows = o_ptr + t64 * stride_o_t + s * stride_o_s + h.to(tl.int64)[:, None] * stride_o_h + v0 + dv[None, :]
+    o_rows = o_ptr + t64 * stride_o_t + s * stride_o_s + h.to(tl.int64)[:, None] * stride_o_h + dl[None, :]
     tl.store(o_rows, acc, mask=h_ok[:, None])
     ml = t64 * stride_ml_t + s * stride_ml_s + h
-    ml_ok = h_ok & ((tl.zeros([BLOCK_H], tl.int32) + v0) == 0)  # every value split has the same m, l
-    tl.store(m_ptr + ml, m, mask=ml_ok)
-    tl.store(l_ptr + ml, l_sum, mask=ml_ok)
+    tl.store(m_ptr + ml, m, mask=h_ok)
+    tl.store(l_ptr + ml, l_sum, mask=h_ok)
 
 
 @triton.jit
@@ -404,8 +397,8 @@ def physical_rows(topk_pos: torch.Tensor, block_table: torch.Tensor, q_len: int,
 def sparse_mla_decode_latent(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                              topk_indices: torch.Tensor, slot_mapping: torch.Tensor, q_len: int, kv_lora: int,
                              scale: float, *, block_h: int | None = None, block_n: int = 64,
-                             splits: int | None = None, value_splits: int = 1, physical: bool = False,
-                             num_warps: int = 8, num_stages: int = 3) -> torch.Tensor:
+                             splits: int | None = None, physical: bool = False, num_warps: int = 8,
+                             num_stages: int = 3) -> torch.Tensor:
     """Absorbed sparse MLA decode: softmax(query . ctx * scale) @ ctx[:, :kv_lora] per head: [T, H, L] BF16.
 
     query: [T, H, L+R] BF16 (absorbed q_nope | q_rope; unit inner stride); kv_cache:
@@ -413,8 +406,6 @@ def sparse_mla_decode_latent(query: torch.Tensor, kv_cache: torch.Tensor, block_
     positions in the request (-1 = none; K a multiple of ``block_n``), or with ``physical``
     cache rows ``block * BS + offset`` (block_table unused); slot_mapping: [T]
     (-1 = padding token: output 0). A token with no selected entry gets 0.
-    ``value_splits``: programs sharing one head tile, each accumulating ``L / value_splits``
-    value columns (each recomputes the scores: fewer registers, more programs).
     """
     T, H, LR = query.shape
     L, R = kv_lora, LR - kv_lora
@@ -427,22 +418,20 @@ def sparse_mla_decode_latent(query: torch.Tensor, kv_cache: torch.Tensor, block_
         return out
     head_tiles = triton.cdiv(H, block_h)
     sms = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else 8
-    n_split = splits or _splits(T, head_tiles * value_splits, K, block_n, sms)
+    n_split = splits or _splits(T, head_tiles, K, block_n, sms)
     if K % (n_split * block_n):  # each program's entries must be whole blocks of one row
         raise ValueError(f"top-k {K} is not a multiple of splits {n_split} x block_n {block_n}")
     chunk = K // n_split
     o_part = torch.empty(T, n_split, H, L, dtype=torch.float32, device=query.device)
     m_part = torch.empty(T, n_split, H, dtype=torch.float32, device=query.device)
     l_part = torch.empty_like(m_part)
-    if L % value_splits or not _pow2(L // value_splits):
-        raise ValueError(f"kv_lora {L} does not split into {value_splits} power-of-two value slices")
-    _sparse_mla_kernel[(T, head_tiles * value_splits, n_split)](
+    _sparse_mla_kernel[(T, head_tiles, n_split)](
         query, kv_cache, block_table, topk_indices, slot_mapping, o_part, m_part, l_part,
         query.stride(0), query.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
         topk_indices.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2), m_part.stride(0),
         m_part.stride(1), float(scale),
         Q_LEN=int(q_len), H=H, L=L, R=R, BS=kv_cache.shape[1], BLOCK_H=block_h, BLOCK_N=block_n, CHUNK=chunk,
-        VS=int(value_splits), PHYS=bool(physical), F32=_INTERPRET, num_warps=num_warps, num_stages=num_stages)
+        PHYS=bool(physical), F32=_INTERPRET, num_warps=num_warps, num_stages=num_stages)
     _combine_kernel[(T, H)](
         o_part, m_part, l_part, out, o_part.stride(0), o_part.stride(1), o_part.stride(2), m_part.stride(0),
         m_part.stride(1), out.stride(0), out.stride(1), SPLITS=n_split, SP=triton.next_power_of_2(n_split), L=L,
