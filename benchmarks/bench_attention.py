@@ -74,7 +74,8 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
-    floors_us, format_table, kernel_profile, plot_panels, steps_per_replay, time_graph, write_json)
+    floors_us, format_table, kernel_profile, plot_panels, raise_recompile_limits, rel_err, steps_per_replay,
+    time_graph, write_json)
 
 import dep_compile  # noqa: E402
 from dep_compile.stock import KimiCache, LayerCache, RequestBatch, StepMeta, preset  # noqa: E402
@@ -174,13 +175,6 @@ def traffic_bytes(cfg, kind: str, rows: int, q: int, context: int | None = None)
     selected = rows * q * min(context, cfg.index_topk) * cfg.latent_dim * 2
     inserts = rows * q * (cfg.latent_dim * 2 + cfg.index_head_dim + 4)
     return keys + selected + inserts
-
-
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    """Relative Frobenius error ||got - ref|| / ||ref|| (the absolute one when ref is 0)."""
-    diff = (got.float() - ref.float()).norm().item()
-    norm = ref.float().norm().item()
-    return diff / norm if norm else diff
 
 
 def _entries(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -319,14 +313,6 @@ def panels(kind: str, points: list[dict]) -> list[dict]:
                                "kimi_dep": [p["dep_us"] for p in ps],
                                "floor @4.33 TB/s": [p["floor_433_us"] for p in ps]}})
     return out
-
-
-def raise_recompile_limits(graphs: int) -> None:
-    """Room for one graph per point and backend, all on AttentionBlock.forward."""
-    for knob in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
-                 "accumulated_recompile_limit"):
-        if hasattr(torch._dynamo.config, knob):
-            setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), graphs + 8))
 
 
 def free_cuda() -> None:

@@ -23,7 +23,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import floors_us, format_table, plot_panels, time_graph, write_json  # noqa: E402
+from common import (capture_graph, floors_us, format_table, plot_panels, raise_recompile_limits,  # noqa: E402
+                    rel_err, time_graph, write_json)
 
 import dep_compile  # noqa: E402
 from dep_compile.stock import preset  # noqa: E402
@@ -58,9 +59,7 @@ def main() -> None:
     ap.add_argument("--trace-rows", type=int, default=16)
     args = ap.parse_args()
     torch.manual_seed(0)
-    for knob in ("cache_size_limit", "recompile_limit"):  # one graph per batch size, both backends
-        if hasattr(torch._dynamo.config, knob):
-            setattr(torch._dynamo.config, knob, 64)
+    raise_recompile_limits(2 * len(args.rows))
     cfg = preset("k3")
     block = init_weights(MoeBlock(cfg, args.local_experts), seed=0).cuda().eval().requires_grad_(False)
     stock = torch.compile(block, backend="inductor", fullgraph=True)
@@ -75,9 +74,8 @@ def main() -> None:
             got_dep, got_stock = dep(x), stock(x)
             # relative Frobenius error: BF16 rounding and the split-K / FP32-router summation order
             # (a near-tie in the top-16 may flip one expert of one token) stay well under 2e-2
-            rel = lambda a: ((a.float() - ref.float()).norm() / ref.float().norm()).item()  # noqa: E731
-            err = rel(got_dep)
-            assert err < 2e-2 and rel(got_stock) < 2e-2, f"rows {T}: rel err kimi_dep {err}, stock {rel(got_stock)}"
+            err, err_stock = rel_err(got_dep, ref), rel_err(got_stock, ref)
+            assert err < 2e-2 and err_stock < 2e-2, f"rows {T}: rel err kimi_dep {err}, stock {err_stock}"
             rep = dep_compile.last_report()
             # the experts call alone, on this batch's routing
             topk_w, topk_ids = mlp.gate(x)
@@ -124,14 +122,7 @@ def overlap_report(fn, cfg, out_dir: str, rows: int = 16, name: str = "kimi_dep"
 
     x = torch.randn(rows, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn(x)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn(x)
+        graph = capture_graph(lambda: fn(x))
         for _ in range(3):
             graph.replay()
         torch.cuda.synchronize()

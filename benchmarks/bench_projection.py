@@ -213,7 +213,7 @@ class Bench:
             self.splitk_linear(x, self.ws[0], out, tactic, self.workspace, **variant)
         ref = torch.mm(x.float(), self.w32.t())
         finite = bool(torch.isfinite(out).all())
-        rel = float((out.float() - ref).norm() / ref.norm())
+        rel = common.rel_err(out, ref)
         why = ""
         if not finite:
             why = f"{int((~torch.isfinite(out)).sum())} non-finite outputs"

@@ -90,6 +90,37 @@ def _stats(values: Sequence[float]) -> dict[str, float]:
     }
 
 
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative Frobenius error ||got - ref|| / ||ref|| in FP32 (the absolute one when ref is 0)."""
+    diff = (got.float() - ref.float()).norm().item()
+    norm = ref.float().norm().item()
+    return diff / norm if norm else diff
+
+
+def raise_recompile_limits(graphs: int) -> None:
+    """Room in dynamo's caches for ``graphs`` compiled graphs of one function (a benchmark
+    compiles one per batch size and backend)."""
+    for knob in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
+                 "accumulated_recompile_limit"):
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), graphs + 8))
+
+
+def capture_graph(step: Callable[[], object]) -> "torch.cuda.CUDAGraph":
+    """``step()`` captured in a CUDA graph, after one eager run on a side stream (compiles Triton
+    kernels, creates cuBLAS handles, warms the caching allocator)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
 def time_graph(
     step: Callable[[int], object],
     n_steps: int,
@@ -104,17 +135,7 @@ def time_graph(
     is captured, replayed ``warmup_replays`` times, and ``replays`` replays are timed with CUDA
     events. Returns per-launch µs statistics (median, min, p20, p80).
     """
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(n_steps):
-            step(i)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(n_steps):
-            step(i)
+    graph = capture_graph(lambda: [step(i) for i in range(n_steps)])
     for _ in range(warmup_replays):
         graph.replay()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
@@ -140,14 +161,7 @@ def kernel_profile(step: Callable[[], object], replays: int = 5, top: int = 12) 
     """
     from torch.profiler import ProfilerActivity, profile
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture_graph(step)
     graph.replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
