@@ -37,8 +37,7 @@ class MoeBlock(torch.nn.Module):
 
     def __init__(self, cfg, num_local: int):
         super().__init__()
-        self.mlp = KimiMoE(cfg, num_local=num_local)
-        self.mlp.experts.ep_size = 1  # one rank's share, run alone: no dispatch
+        self.mlp = KimiMoE(cfg, num_local=num_local, ep_size=1)  # one rank's share, run alone: no dispatch
 
     def forward(self, x):
         return self.mlp(x)

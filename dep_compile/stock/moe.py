@@ -10,15 +10,21 @@ from .layers import RMSNorm, Router, SiTUMLP
 
 
 class FusedExperts(nn.Module):
-    """The routed experts' weights (vLLM FusedMoE names): w13 [E, 2I, Lat], w2 [E, Lat, I]."""
+    """The routed experts' weights (vLLM FusedMoE names): w13 [E, 2I, Lat], w2 [E, Lat, I].
 
-    def __init__(self, config: K3Config, num_local: int | None = None, expert_start: int = 0):
+    ``num_local`` experts from ``expert_start`` (default: all); ``ep_size`` the EP group they are
+    sharded over (default: the experts / ``num_local``; 1 runs these experts alone, with no
+    dispatch: ids owned elsewhere add nothing, as one rank's share in a benchmark).
+    """
+
+    def __init__(self, config: K3Config, num_local: int | None = None, expert_start: int = 0,
+                 ep_size: int | None = None):
         super().__init__()
         E = num_local or config.n_routed_experts
         self.w13_weight = nn.Parameter(torch.empty(E, 2 * config.moe_intermediate, config.moe_latent_size))
         self.w2_weight = nn.Parameter(torch.empty(E, config.moe_latent_size, config.moe_intermediate))
         self.expert_start = expert_start
-        self.ep_size = config.n_routed_experts // E  # > 1: experts sharded over an EP group
+        self.ep_size = ep_size or config.n_routed_experts // E  # > 1: experts sharded over an EP group
         self.beta, self.beta_lin = config.situ_beta, config.situ_beta_lin
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
@@ -30,12 +36,13 @@ class FusedExperts(nn.Module):
 class KimiMoE(nn.Module):
     """K3's latent MoE block; ``shared_intermediate = 0`` builds it without a shared expert."""
 
-    def __init__(self, config: K3Config, num_local: int | None = None, expert_start: int = 0):
+    def __init__(self, config: K3Config, num_local: int | None = None, expert_start: int = 0,
+                 ep_size: int | None = None):
         super().__init__()
         c = config
         self.gate = Router(c)
         self.routed_expert_down_proj = nn.Linear(c.hidden_size, c.moe_latent_size, bias=False)
-        self.experts = FusedExperts(c, num_local, expert_start)
+        self.experts = FusedExperts(c, num_local, expert_start, ep_size)
         self.routed_expert_norm = RMSNorm(c.moe_latent_size, c.rms_eps)
         self.routed_expert_up_proj = nn.Linear(c.moe_latent_size, c.hidden_size, bias=False)
         self.shared_experts = SiTUMLP(c, c.hidden_size, c.shared_intermediate) if c.shared_intermediate else None
