@@ -23,37 +23,26 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import fx, nn
+from torch import nn
 from vllm.compilation.passes.inductor_pass import InductorPass
 
-from dep_compile.config import DepOptions
 from dep_compile.ops.packing import pack_params
-from dep_compile.passes.manager import DepPassManager, DepPostGradPass
+from dep_compile.passes.manager import DepPostGradPass
 
 PASS_NAME = "dep_compile_vllm.kimi_dep_pass"  # the qualified name vLLM's config resolves
 
 
-class KimiDepInductorPass(InductorPass):
+class KimiDepInductorPass(DepPostGradPass, InductorPass):
     """The kimi_dep rewrite (DSA, KDA, MoE; MLA stays stock) as a vLLM post-grad pass.
 
-    Holds only the options dict (``torch.compile(..., backend="kimi_dep", options=...)``'s
-    options; ``inductor``/``inductor_config`` have no effect here), so it deep-copies and
-    pickles to workers. ``uuid()`` hashes the pass files, this file and the options: stable
-    across processes, different when either changes.
+    :class:`DepPostGradPass` (it holds only the options dict, so it deep-copies and pickles to
+    workers; ``inductor``/``inductor_config`` have no effect here) that vLLM accepts as an
+    ``InductorPass``. ``uuid()`` also hashes this file: stable across processes, different when
+    the passes, this integration or the options change.
     """
 
-    def __init__(self, options: dict[str, Any] | None = None):
-        self.options = dict(options or {})
-        DepOptions.from_dict(self.options)  # unknown options raise here, not in a worker
-
-    def __call__(self, graph: fx.Graph) -> None:
-        DepPostGradPass(self.options)(graph)
-
     def uuid(self) -> str:
-        return DepPassManager(DepOptions.from_dict(self.options)).uuid(Path(__file__))
-
-    def __repr__(self) -> str:
-        return f"KimiDepInductorPass({self.options!r})"
+        return self.manager().uuid(Path(__file__))
 
 
 def compilation_config(options: dict[str, Any] | None = None, splitting_ops: list[str] | None = None) -> dict:
