@@ -19,6 +19,13 @@ LOGIT_ATOL = 0.1  # logits are O(1); a wrong slice or lost cache write moves the
 STATE_ATOL = 0.05
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equality of two tensors of one dtype and shape, on any device (FP8 too, which
+    CPU torch cannot compare as values)."""
+    return a.shape == b.shape and torch.equal(a.detach().cpu().contiguous().view(torch.uint8),
+                                              b.detach().cpu().contiguous().view(torch.uint8))
+
+
 @dataclasses.dataclass
 class PairResult:
     logits_err: float

@@ -17,6 +17,8 @@ from dep_compile.stock import preset
 from dep_compile.stock.layers import Router
 from dep_compile.stock.reference.common import fp8_pow2_quantize
 
+from helpers import same_bits
+
 ops = torch.ops.kimi_k3
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 
@@ -590,10 +592,6 @@ def _opcheck_cases():
 _NO_FP8_SCHEMA_CHECK = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.dtype == FP8 else t
-
-
 def _check_mutations(op, args):
     """Exactly the arguments the schema marks as written change; the output aliases no input."""
     schema = op.default._schema if hasattr(op, "default") else op._schema
@@ -605,7 +603,7 @@ def _check_mutations(op, args):
     for i, (a, b) in enumerate(zip(args, before)):
         if b is None:
             continue
-        changed = not torch.equal(_bits(a), _bits(b))
+        changed = not same_bits(a, b)
         assert changed == (i in written), f"argument {schema.arguments[i].name}: changed={changed}"
         assert out.untyped_storage().data_ptr() != a.untyped_storage().data_ptr()
 

@@ -41,6 +41,7 @@ from dep_compile.stock.batched_attention import dsa_indexer_batched, mla_decode_
 from dep_compile.stock.reference.common import FP8, fp8_pow2_quantize
 from dep_compile.stock.reference.dsa import dsa_indexer_ref, index_logits, sparse_mla_decode_ref
 from dep_compile.stock.reference.mla import gather_context, insert_rows, mla_decode_ref, token_positions
+from helpers import same_bits
 from triton_device import TRITON_DEV as _TRITON_DEV, device_test, use_triton
 
 ops = torch.ops.kimi_k3
@@ -113,10 +114,6 @@ def _copy(c: dict, device: str) -> dict:
     return {n: (v.to(device, copy=True) if isinstance(v, torch.Tensor) else v) for n, v in c.items()}
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.cpu().contiguous().view(torch.uint8), b.cpu().contiguous().view(torch.uint8))
-
-
 def _check_out(out: torch.Tensor, ref: torch.Tensor, dead: torch.Tensor) -> float:
     """Assert the attention tolerance and exact zeros for ``dead`` tokens; returns max |out - ref| / max |ref|."""
     out, ref = out.cpu().float(), ref.float()
@@ -183,13 +180,13 @@ def compare_to_references(c: dict, device: str, mla_fn, indexer_fn, sparse_fn) -
     ref = mla_decode_ref(r["q"], r["latent"], r["kv_b"], rk, r["slots"], r["block_table"], r["seq_lens"],
                          c["q_len"], c["scale"], c["sz"].nope)
     errs = {"mla": _check_out(out, ref, dead)}
-    assert _same_bits(d["kv_pool"], r["kv_pool"])
+    assert same_bits(d["kv_pool"], r["kv_pool"])
 
     sel = indexer_fn(d["q_idx"], d["weights"], d["k"], di, ds, *a, d["seq_lens"], c["q_len"], c["sz"].topk)
     sel_ref = dsa_indexer_ref(r["q_idx"], r["weights"], r["k"], ri, rs, r["slots"], r["block_table"], r["seq_lens"],
                               c["q_len"], c["sz"].topk)
     assert sel.dtype == torch.int32 and sel.shape == sel_ref.shape
-    assert _same_bits(d["idx_pool"], r["idx_pool"]) and _same_bits(d["scl_pool"], r["scl_pool"])
+    assert same_bits(d["idx_pool"], r["idx_pool"]) and same_bits(d["scl_pool"], r["scl_pool"])
     errs["long"], errs["untied"] = _check_selection(sel.cpu(), sel_ref, _reference_logits(c, ri, rs), c)
 
     picked = sel.cpu()
@@ -204,7 +201,7 @@ def compare_to_references(c: dict, device: str, mla_fn, indexer_fn, sparse_fn) -
     ref = sparse_mla_decode_ref(r["q"], r["latent"], r["kv_b"], _views(r)[0], r["slots"], r["block_table"], picked,
                                 c["q_len"], c["scale"], c["sz"].nope)
     errs["sparse"] = _check_out(out, ref, dead)
-    assert _same_bits(d["kv_pool"], r["kv_pool"])
+    assert same_bits(d["kv_pool"], r["kv_pool"])
     return errs
 
 
@@ -254,8 +251,8 @@ def test_insert_rows_triton_matches_reference(kind):
     insert_rows(ref[:, 1], slots, rows)
     got = pool.to(_TRITON_DEV, copy=True)
     insert_rows_triton(got[:, 1], slots.to(_TRITON_DEV), rows.to(_TRITON_DEV))
-    assert _same_bits(got, ref)
-    assert not _same_bits(ref, pool)  # something was written
+    assert same_bits(got, ref)
+    assert not same_bits(ref, pool)  # something was written
 
 
 @pytest.mark.cuda
@@ -307,4 +304,4 @@ def test_stock_ops_cuda_graph_capture():
     eager = step()
     for got, want in zip(replayed, eager):
         assert torch.equal(got, want)
-    assert all(_same_bits(after_replay[n], c[n]) for n in POOLS)
+    assert all(same_bits(after_replay[n], c[n]) for n in POOLS)

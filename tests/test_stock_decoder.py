@@ -13,19 +13,15 @@ import torch
 import dep_compile
 from dep_compile.stock import KimiCache, KimiK3ForCausalLM, RequestBatch, StepError, build_model, preset
 
-from helpers import CUBLAS_ONLY
+from helpers import CUBLAS_ONLY, same_bits
 
 FP8 = torch.float8_e4m3fn
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.dtype == FP8 else t
 
 
 def _assert_snapshots_equal(a: dict, b: dict, what: str = ""):
     """Bit-exact equality of every cache tensor (FP8 compared as bytes)."""
     assert a.keys() == b.keys()
-    bad = [k for k in a if not torch.equal(_bits(a[k]), _bits(b[k]))]
+    bad = [k for k in a if not same_bits(a[k], b[k])]
     assert not bad, f"{what}: caches differ: " + ", ".join(
         f"{k} (max |diff| {(a[k].float() - b[k].float()).abs().max().item():.3g})" for k in bad)
 
@@ -163,7 +159,7 @@ def test_prefill_equals_decode_steps():
     _assert_caches_close(after, step_cache.snapshot(), "prefill vs decode steps")
     # The prefill really wrote the prompt: every cache moved from its initial values.
     init = KimiCache.allocate(cfg, num_slots=5, num_blocks=20, block_size=4, seed=6).snapshot()
-    assert all(not torch.equal(_bits(after[k]), _bits(init[k])) for k in after)
+    assert all(not same_bits(after[k], init[k]) for k in after)
 
 
 def test_pooled_caches_equal_plain():
@@ -201,9 +197,9 @@ def test_pooled_caches_equal_plain():
     _assert_snapshots_equal(snaps["compiled plain"], snaps["compiled pooled"], "kimi_dep+Inductor: pooled vs plain")
     # Writes went through the views into the pools; the spare slice nobody owns is untouched.
     for k, p in pools.items():
-        assert torch.equal(_bits(p.select(1, 0)), _bits(spare[k]))
-    assert not torch.equal(_bits(snaps["pooled"]["layer.0.recurrent_state"]),
-                           _bits(KimiCache.allocate(cfg, **kw).layers[0].recurrent_state))
+        assert same_bits(p.select(1, 0), spare[k])
+    assert not same_bits(snaps["pooled"]["layer.0.recurrent_state"],
+                         KimiCache.allocate(cfg, **kw).layers[0].recurrent_state)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -401,4 +397,4 @@ def test_bad_step_inputs_raise_before_any_cache_is_touched(q):
         assert issubclass(StepError, ValueError)
         # The unmodified step is accepted and does write the caches.
         model.step(ids, meta, cache)
-    assert any(not torch.equal(_bits(v), _bits(before[k])) for k, v in cache.snapshot().items())
+    assert any(not same_bits(v, before[k]) for k, v in cache.snapshot().items())
