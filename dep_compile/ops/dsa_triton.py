@@ -163,7 +163,7 @@ def _index_logits_kernel(q_ptr, wt_ptr, cache_ptr, scale_ptr, bt_ptr, seq_ptr, s
 
 def index_logits(q_idx: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor, index_scale: torch.Tensor,
                  block_table: torch.Tensor, seq_lens: torch.Tensor, slot_mapping: torch.Tensor, q_len: int,
-                 *, block_n: int = 128, steps: int | None = None, num_warps: int = 8,
+                 *, block_n: int = 128, steps: int | None = None, num_warps: int | None = None,
                  num_stages: int = 2) -> torch.Tensor:
     """Indexer logits of every step token over its request's cached positions: [T, MB*BS] FP32.
 
@@ -171,10 +171,12 @@ def index_logits(q_idx: torch.Tensor, weights: torch.Tensor, index_cache: torch.
     index_cache: [NB, BS, Di] FP8 e4m3; index_scale: [NB, BS] FP32; block_table: [B, MB];
     seq_lens: [B] including this step's tokens; slot_mapping: [T]. Entries a token does not
     see (later positions, padding tokens) are ``-inf``. ``steps`` key blocks a program (default:
-    as many as keep two waves of programs); 8 warps measured best at 1 token, 4 at 64 tokens x
-    32K (147 vs 168 µs, docs/perf.md; not switched: the layer numbers were taken with 8).
+    as many as keep two waves of programs); ``num_warps`` default: 8 below 16 tokens, 4 from 16
+    (measured best at 1 token: 4.7 vs 5.0 µs, and at 64 tokens x 32K: 147 vs 168 µs; the switch
+    at 16 is not measured; docs/perf.md).
     """
     T, Hi, Di = q_idx.shape
+    num_warps = num_warps or (8 if T < 16 else 4)
     B, MB = block_table.shape
     BS = index_cache.shape[1]
     N = MB * BS
@@ -397,8 +399,8 @@ def physical_rows(topk_pos: torch.Tensor, block_table: torch.Tensor, q_len: int,
 def sparse_mla_decode_latent(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                              topk_indices: torch.Tensor, slot_mapping: torch.Tensor, q_len: int, kv_lora: int,
                              scale: float, *, block_h: int | None = None, block_n: int = 64,
-                             splits: int | None = None, physical: bool = False, num_warps: int = 8,
-                             num_stages: int = 3) -> torch.Tensor:
+                             splits: int | None = None, physical: bool = False, num_warps: int | None = None,
+                             num_stages: int | None = None) -> torch.Tensor:
     """Absorbed sparse MLA decode: softmax(query . ctx * scale) @ ctx[:, :kv_lora] per head: [T, H, L] BF16.
 
     query: [T, H, L+R] BF16 (absorbed q_nope | q_rope; unit inner stride); kv_cache:
@@ -410,9 +412,15 @@ def sparse_mla_decode_latent(query: torch.Tensor, kv_cache: torch.Tensor, block_
     T, H, LR = query.shape
     L, R = kv_lora, LR - kv_lora
     K = topk_indices.shape[1]
-    # measured at 1 and 64 tokens (bench_dsa_kernels.py): 32 heads a program best at 1 (more
-    # programs), 64 at 64 (each selected row read by fewer); the switch at 16 was not measured
-    block_h = block_h or (64 if T >= 16 else 32)
+    # Tiles measured at 1 and 64 tokens (bench_dsa_kernels.py, docs/perf.md): below 16 tokens 32
+    # heads a program (more programs), 4 warps, 2 stages (11.1-11.5 µs vs 12.3-12.6 with 8 warps
+    # and 3); from 16, 64 heads (each selected row read by fewer programs) and 8 warps, 2 stages
+    # over cache rows (195 vs 213 µs), 3 over positions (234 vs 254). The switch at 16 tokens
+    # was not measured.
+    small = T < 16
+    block_h = block_h or (32 if small else 64)
+    num_warps = num_warps or (4 if small else 8)
+    num_stages = num_stages or (2 if small or physical else 3)
     out = torch.empty(T, H, L, dtype=query.dtype, device=query.device)
     if T == 0:
         return out
