@@ -35,21 +35,20 @@ class PairResult:
     steps: int
 
 
-def run_pair(cfg, *, steps=8, batch=3, q=1, options=None, pooled=False, dynamic=False, model=None,
-             accepted=None, start_len=10, block_size=4, padding=0, batches=None) -> PairResult:
-    """``steps`` steps of ``batch`` requests x ``q`` tokens, eager stock vs kimi_dep, from identical caches.
+def compare_steps(cfg, model, fn, *, steps=8, batch=3, q=1, pooled=False, dynamic=False, accepted=None,
+                  start_len=10, block_size=4, padding=0, batches=None, seed=2) -> PairResult:
+    """``steps`` steps of ``batch`` requests x ``q`` tokens through ``fn`` and through the eager
+    ``model``, from identical caches and requests; the largest differences in logits and caches.
 
-    Options default to dep_compile.config.CUBLAS_ONLY (exact pattern-only parity) unless they
-    name tables. ``batches`` (a list of batch sizes, one per step) exercises one compiled graph at several
-    sizes; with ``dynamic`` the batch dim is marked dynamic.
+    ``fn`` is the compiled model (it compiles on its first step: call this inside any config
+    patch its compile needs). ``batches`` (one batch size per step) exercises one compiled graph
+    at several sizes; with ``dynamic`` the batch dim is marked dynamic. The report is the last
+    one kimi_dep made.
     """
-    model = model or build_model(cfg, seed=1)
     max_b = max(batches or [batch])
     cache = KimiCache.allocate(cfg, num_slots=2 * max_b + 1, num_blocks=8 * max_b + 8, block_size=block_size,
-                               pooled=pooled, seed=2)
+                               pooled=pooled, seed=seed)
     ref_cache = cache.clone()
-    opts = {"inductor": False, **CUBLAS_ONLY, **(options or {})}
-    compiled = torch.compile(model, backend="kimi_dep", options=opts, fullgraph=True, dynamic=False if not dynamic else None)
     g = torch.Generator().manual_seed(3)
     logits_err = 0.0
     sizes = batches or [batch] * steps
@@ -64,12 +63,24 @@ def run_pair(cfg, *, steps=8, batch=3, q=1, options=None, pooled=False, dynamic=
             if dynamic:
                 for t in (ids, meta.slot_mapping, meta.block_table, meta.seq_lens, meta.state_indices, meta.accepted):
                     torch._dynamo.mark_dynamic(t, 0)
-            out = model.step(ids, meta, cache, fn=compiled)
+            out = model.step(ids, meta, cache, fn=fn)
             ref = model.step(ids, ref_meta, ref_cache)
             assert torch.isfinite(out).all()
             logits_err = max(logits_err, (out - ref).abs().max().item())
     errs = cache_differences(cache.snapshot(), ref_cache.snapshot(), fp8_scale=STATE_ATOL / FP8_REL)
     return PairResult(logits_err, max(errs.values()), errs, dep_compile.last_report(), len(sizes))
+
+
+def run_pair(cfg, *, options=None, dynamic=False, model=None, **steps) -> PairResult:
+    """Eager stock vs the ``kimi_dep`` backend (:func:`compare_steps` takes ``steps``).
+
+    Options default to dep_compile.config.CUBLAS_ONLY (exact pattern-only parity) unless they
+    name tables.
+    """
+    model = model or build_model(cfg, seed=1)
+    opts = {"inductor": False, **CUBLAS_ONLY, **(options or {})}
+    compiled = torch.compile(model, backend="kimi_dep", options=opts, fullgraph=True, dynamic=False if not dynamic else None)
+    return compare_steps(cfg, model, compiled, dynamic=dynamic, **steps)
 
 
 def kinds_rewritten(report) -> dict:

@@ -17,13 +17,11 @@ import pytest
 import torch
 import torch._inductor.config as inductor_config
 
-import dep_compile
 from dep_compile.ops.packing import pack_params, packed_view
 from dep_compile.passes.manager import DepPostGradPass
-from dep_compile.stock import KimiCache, RequestBatch, build_model, preset
-from dep_compile.stock.cache import FP8_REL, cache_differences
+from dep_compile.stock import build_model, preset
 
-from helpers import CUBLAS_ONLY, LOGIT_ATOL, STATE_ATOL, kinds_rewritten
+from helpers import CUBLAS_ONLY, LOGIT_ATOL, STATE_ATOL, compare_steps, kinds_rewritten
 
 
 class RecordingPass(DepPostGradPass):
@@ -47,28 +45,13 @@ def run_postgrad(cfg, *, steps=6, batch=3, q=1, options=None, pooled=False, mode
     moving logits by O(1); the rewritten MoE routes as eager does).
     """
     model = model or build_model(cfg, seed=1)
-    cache = KimiCache.allocate(cfg, num_slots=2 * batch + 1, num_blocks=8 * batch + 8, block_size=4,
-                               pooled=pooled, seed=2)
-    ref_cache = cache.clone()
-    reqs = [RequestBatch(c, batch, start_len=10, seed=batch) for c in (cache, ref_cache)]
     pass_ = RecordingPass({**CUBLAS_ONLY, **(options or {})})
-    g = torch.Generator().manual_seed(3)
-    err, report = 0.0, None
     # a fresh compile (no FX-cache hit), so the pass runs and registers its prepared layers
-    with inductor_config.patch(post_grad_custom_post_pass=pass_, force_disable_caches=True), torch.no_grad():
+    with inductor_config.patch(post_grad_custom_post_pass=pass_, force_disable_caches=True):
         fn = torch.compile(model, fullgraph=True, dynamic=False)
-        for i in range(steps):
-            acc = None if accepted is None else accepted(i, batch)
-            meta, ref_meta = (r.step(q, acc) for r in reqs)
-            ids = torch.randint(0, cfg.vocab_size, (batch * q,), generator=g)
-            out = model.step(ids, meta, cache, fn=fn)
-            report = report or dep_compile.last_report()
-            ref = model.step(ids, ref_meta, ref_cache)
-            assert torch.isfinite(out).all()
-            err = max(err, (out - ref).abs().max().item())
-    errs = cache_differences(cache.snapshot(), ref_cache.snapshot(), fp8_scale=STATE_ATOL / FP8_REL)
-    report.ops_after = dict(pass_.ops)
-    return report, err, errs
+        res = compare_steps(cfg, model, fn, steps=steps, batch=batch, q=q, pooled=pooled, accepted=accepted)
+    res.report.ops_after = dict(pass_.ops)
+    return res.report, res.logits_err, res.cache_errs
 
 
 def _assert_close(err, errs):

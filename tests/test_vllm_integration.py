@@ -19,12 +19,11 @@ import torch._inductor.config as inductor_config  # noqa: E402
 from vllm.compilation.passes.inductor_pass import InductorPass, pass_context  # noqa: E402
 from vllm.config import CompilationConfig  # noqa: E402
 
-import dep_compile  # noqa: E402
 import dep_compile_vllm  # noqa: E402
 from dep_compile.integrations.vllm import KimiDepInductorPass, compilation_config, pack_model_weights  # noqa: E402
-from dep_compile.stock import KimiCache, RequestBatch, build_model, preset  # noqa: E402
+from dep_compile.stock import build_model, preset  # noqa: E402
 
-from helpers import CUBLAS_ONLY, LOGIT_ATOL, STATE_ATOL  # noqa: E402
+from helpers import CUBLAS_ONLY, LOGIT_ATOL, STATE_ATOL, compare_steps  # noqa: E402
 
 KEY = "post_grad_custom_post_pass"
 
@@ -92,33 +91,21 @@ def test_post_grad_pass_manager_runs_it_on_the_stock_decoder():
     from vllm.config import set_current_vllm_config
     from vllm.config.utils import Range
 
-    from dep_compile.stock.cache import FP8_REL, cache_differences
-
     cc = CompilationConfig(**compilation_config(CUBLAS_ONLY))
     vc, pm = _post_grad_manager(cc)
     cfg = preset("k31-small", num_layers=4)
     model = build_model(cfg, seed=1)
     assert pack_model_weights(model) == ["model.layers.1.mlp", "model.layers.2.mlp", "model.layers.3.self_attn",
                                          "model.layers.3.mlp"]
-    cache = KimiCache.allocate(cfg, num_slots=7, num_blocks=32, block_size=4, seed=2)
-    ref_cache = cache.clone()
-    reqs = [RequestBatch(c, 3, start_len=10, seed=3) for c in (cache, ref_cache)]
-    g = torch.Generator().manual_seed(3)
-    err, report = 0.0, None
     # Inductor config as vLLM's backend sets it (our fragment turns auto-functionalization v2 back on)
     patches = {k: v for k, v in cc.inductor_compile_config.items() if hasattr(inductor_config, k)}
     assert patches["enable_auto_functionalized_v2"] is True
     patches.update({KEY: pm, "force_disable_caches": True})
     with set_current_vllm_config(vc), pass_context(Range(1, 8)), torch.no_grad(), inductor_config.patch(patches):
         fn = torch.compile(model, fullgraph=True, dynamic=False)
-        for _ in range(4):
-            meta, ref_meta = (r.step(1) for r in reqs)
-            ids = torch.randint(0, cfg.vocab_size, (3,), generator=g)
-            out = model.step(ids, meta, cache, fn=fn)
-            report = report or dep_compile.last_report()
-            err = max(err, (out - model.step(ids, ref_meta, ref_cache)).abs().max().item())
+        res = compare_steps(cfg, model, fn, steps=4, batch=3)
+    report = res.report
     assert report.graph.startswith("postgrad_")
     assert {m.kind: 0 for m in report.layers} and len(report.rewritten()) == 7, report.table()
     assert len(report.rewritten("kda")) == 3 and len(report.rewritten("dsa")) == 1 and len(report.rewritten("moe")) == 3
-    errs = cache_differences(cache.snapshot(), ref_cache.snapshot(), fp8_scale=STATE_ATOL / FP8_REL)
-    assert err < LOGIT_ATOL and max(errs.values()) < STATE_ATOL, (err, errs)
+    assert res.logits_err < LOGIT_ATOL and res.cache_err < STATE_ATOL, (res.logits_err, res.cache_errs)
