@@ -22,7 +22,7 @@ STATE_ATOL = 0.05
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit-for-bit equality of two tensors of one dtype and shape, on any device (FP8 too, which
     CPU torch cannot compare as values)."""
-    return a.shape == b.shape and torch.equal(a.detach().cpu().contiguous().view(torch.uint8),
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.detach().cpu().contiguous().view(torch.uint8),
                                               b.detach().cpu().contiguous().view(torch.uint8))
 
 

@@ -27,7 +27,8 @@ def test_dep2_gloo_equals_single_device(tmp_path):
     for r in range(2):
         res = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert set(res["ops"]) == {"kimi_dep.moe[ep2]"}
-        # FP32 partials summed once per token: within one BF16 rounding of the single-device sum
+        # against the same backend on one device: only the cross-rank FP32 sum order differs
+        # (0 and 0 measured on gloo and NCCL); the bounds leave room for it to flip a BF16 rounding
         assert res["logits_err"] < 0.1 and res["cache_err"] < 0.05, res
 
 

@@ -2,8 +2,8 @@
 
 Each case builds one DSA step on random data (never zeros): paged latent and FP8 index caches
 as strided views into pools (a spare layer interleaved in every block), requests whose context
-is shorter than top-k (select everything) and longer (select a subset), q_len 1 or 3, one
-padding token (slot -1). The references in ``dep_compile.stock.reference.dsa`` run on CPU copies.
+is shorter than top-k (select everything) and longer (select a subset), q_len 1, 3 or 6 (3 to
+18 tokens: both sides of the kernels' 16-token tile switch), one padding token (slot -1). The references in ``dep_compile.stock.reference.dsa`` run on CPU copies.
 
 Checks and tolerances:
 
@@ -12,10 +12,10 @@ Checks and tolerances:
 * logits: ``-inf`` exactly where a token sees no position; elsewhere within ``1e-5 * max|logit|``
   of the reference (FP8 products are exact; only the FP32 summation order differs);
 * top-k on the reference logits: exactly ``select_topk`` of the reference (ascending, -1 padded,
-  short contexts select all), for every row;
-* sparse MLA latent output: relative Frobenius error <= 1e-2 and max abs <= 2e-2 against the
-  FP32 reference (the kernel feeds the softmax weights to the value dot in BF16, as flash
-  attention does; outputs are O(0.1)), padding tokens exactly 0.
+  short contexts select all), for every row; as latent-cache rows, exactly ``physical_rows`` of it;
+* sparse MLA latent output, over positions or cache rows: relative Frobenius error <= 1e-2 and
+  max abs <= 2e-2 against the FP32 reference (the kernel feeds the softmax weights to the value
+  dot in BF16, as flash attention does; outputs are O(0.1)), padding tokens exactly 0.
 
 Full size (96 heads, latent 512 + 64, 32 index heads x 128, top-2048) runs on CUDA only
 (marked ``cuda``); ``TRITON_TEST_DEVICE=cpu TRITON_INTERPRET=1`` runs the small size in
@@ -110,7 +110,7 @@ def ref_logits(c: dict) -> torch.Tensor:
     return out
 
 
-CASES = [(size, q) for size in ("full", "small") for q in (1, 3)]
+CASES = [(size, q) for size in ("full", "small") for q in (1, 3, 6)]  # q 6: 18 tokens, the >= 16 defaults
 if _DEV == "cpu":
     CASES = [(s, q) for (s, q) in CASES if s == "small"]
 
@@ -340,16 +340,17 @@ def test_select_rows_dispatch(extra):
         assert torch.equal(got[t].cpu(), want), f"row {t}"
 
 
-def test_sparse_mla_latent_rows():
+@pytest.mark.parametrize("q_len", [2, 6])  # 6 and 18 tokens: both sides of the 16-token tile switch
+def test_sparse_mla_latent_rows(q_len):
     """Cache rows (``physical_rows``) given instead of positions: the same output as the
     reference; tolerances as test_sparse_mla_latent."""
     dt = _dt()
     size = "full" if _DEV != "cpu" else "small64"
-    c = make_case(size, 2, seed=11, device=_DEV)
+    c = make_case(size, q_len, seed=11, device=_DEV)
     r = cpu(c)
     topk = select_topk_like(r)
-    rows = dt.physical_rows(topk.to(_DEV), c["block_table"], 2, c["kv_cache"].shape[1])
-    got = dt.sparse_mla_decode_latent(c["query"], c["kv_cache"], c["block_table"], rows, c["slot_mapping"], 2,
+    rows = dt.physical_rows(topk.to(_DEV), c["block_table"], q_len, c["kv_cache"].shape[1])
+    got = dt.sparse_mla_decode_latent(c["query"], c["kv_cache"], c["block_table"], rows, c["slot_mapping"], q_len,
                                       c["L"], c["scale"], block_n=min(64, c["topk"] // 2), physical=True).float().cpu()
     ref = ref_sparse_latent(r, topk)
     assert (got[r["slot_mapping"] < 0] == 0).all(), "padding tokens must be 0"

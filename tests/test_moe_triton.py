@@ -1,9 +1,11 @@
-"""The Triton SiTU and RMSNorm (``dep_compile.ops.moe_triton``, ``norm_triton``) against stock's torch.
+"""The Triton SiTU, RMSNorm and router (``dep_compile.ops.moe_triton``, ``norm_triton``,
+``router_triton``) against stock's torch.
 
-Random BF16 inputs at K3 widths (SiTU 2 x 6144, latent 3584) and a small odd width; every
-output element within one BF16 ulp of stock's (only the FP32 summation order and the tanh
-implementation differ before the single rounding, which can flip it by one ulp). CUDA only (marked ``cuda``), or the
-small width in Triton's CPU interpreter with ``TRITON_TEST_DEVICE=cpu TRITON_INTERPRET=1``.
+Random BF16 inputs at K3 widths (SiTU 2 x 6144, latent 3584; router 896 experts x 7168, top-16)
+and a small width. SiTU and RMSNorm: every output element within one BF16 ulp of stock's (only
+the FP32 summation order and the tanh implementation differ before the single rounding, which
+can flip it by one ulp). Router: see its test. CUDA only (marked ``cuda``), or the small width
+in Triton's CPU interpreter with ``TRITON_TEST_DEVICE=cpu TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations
@@ -61,11 +63,12 @@ ROUTER_SIZES = [s for s in ((896, 7168, 16), (100, 256, 8)) if _DEV != "cpu" or 
 
 
 @pytest.mark.parametrize("experts,hidden,top_k", ROUTER_SIZES)
-@pytest.mark.parametrize("T", [1, 7, 64])
-def test_route_sigmoid_topk(experts, hidden, top_k, T):
+@pytest.mark.parametrize("T,masked", [(1, False), (7, False), (64, False), (7, True)])
+def test_route_sigmoid_topk(experts, hidden, top_k, T, masked):
     """The two-launch router against FP32 torch on the same BF16 operands: the picked ids are a
     top-k of the reference keys (within FP32 summation-order noise), the weights are the
-    reference scores of those ids, renormalized and scaled."""
+    reference scores of those ids, renormalized and scaled. ``masked``: a -inf bias on all but 3
+    experts (fewer than top-k selectable), and the ids must still be distinct."""
     _mt()
     from dep_compile.ops.router_triton import route_sigmoid_topk  # noqa: PLC0415
 
@@ -73,6 +76,8 @@ def test_route_sigmoid_topk(experts, hidden, top_k, T):
     x = torch.randn(T, hidden, generator=g).to(torch.bfloat16)
     gate_w = (torch.randn(experts, hidden, generator=g) / hidden ** 0.5).to(torch.bfloat16)
     bias = 0.1 * torch.randn(experts, generator=g)
+    if masked:
+        bias[3:] = float("-inf")
     w, ids = route_sigmoid_topk(x.to(_DEV), gate_w.to(_DEV), bias.to(_DEV), top_k, 2.5)
     w, ids = w.cpu(), ids.cpu()
     assert w.dtype == torch.float32 and ids.dtype == torch.int64 and ids.shape == (T, top_k)

@@ -389,7 +389,9 @@ def _splits(T: int, head_tiles: int, topk: int, block_n: int, sms: int) -> int:
 
 def physical_rows(topk_pos: torch.Tensor, block_table: torch.Tensor, q_len: int, block_size: int) -> torch.Tensor:
     """Selected positions [T, K] (-1 = none) -> latent-cache rows ``block * block_size + offset``
-    (-1 = none), int32, for :func:`sparse_mla_decode_latent` with ``physical=True``."""
+    (-1 = none), int32, for :func:`sparse_mla_decode_latent` with ``physical=True``: the readable
+    torch form (tests, benchmarks) of what :func:`select_topk_triton` stores with ``rows_of``.
+    ``T`` must be ``B * q_len`` for the ``B`` rows of ``block_table``."""
     req = torch.arange(topk_pos.shape[0], device=topk_pos.device) // q_len
     pos = topk_pos.clamp_min(0).long()
     blk = block_table[req[:, None], pos // block_size].long()

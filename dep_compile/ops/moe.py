@@ -34,7 +34,8 @@ class EpMoeLayer:
 
     def route(self, x: Tensor, gate_w: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
         """Sigmoid top-k: FP32 logits, bias for selection only, renormalized, scaled."""
-        if x.is_cuda and x.shape[0] <= self.front_max:  # two Triton launches instead of ~15
+        bf16 = x.dtype == gate_w.dtype == torch.bfloat16  # (FP32 operands would run the Triton dots in TF32)
+        if x.is_cuda and bf16 and x.shape[0] <= self.front_max:  # two Triton launches instead of ~15
             from .router_triton import route_sigmoid_topk
 
             return route_sigmoid_topk(x, gate_w, bias, self.top_k, self.scale)

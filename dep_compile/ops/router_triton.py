@@ -5,7 +5,8 @@
    ``[S, T, E]`` of ``x @ gate_w^T`` (BF16 operands, FP32 accumulation), ``S`` K-slices;
 2. ``_select_kernel``, one program per token: sums the ``S`` partials in slice order, takes the
    sigmoid, adds the correction bias for selection only, picks the top-k by repeated arg-max
-   (ties to the lower expert id; ids in descending key order, as ``torch.topk``), and
+   over the experts not yet picked (ties to the lower expert id; ids in descending key order,
+   as ``torch.topk``; a NaN key ranks lowest), and
    renormalizes and scales the selected scores, as stock's router does.
 
 On the side stream beside the MoE front GEMM, the front's CTAs hold most SMs: each short
@@ -39,18 +40,19 @@ def _select_kernel(part_ptr, bias_ptr, w_ptr, ids_ptr, T, E, scale, S: tl.conste
     for s in tl.static_range(S):  # fixed order: deterministic
         logits += tl.load(part_ptr + (s * T + t) * E + e, mask=ok, other=0.0)
     scores = tl.sigmoid(logits)
-    keyed = tl.where(ok, scores + tl.load(bias_ptr + e, mask=ok, other=0.0), float("-inf"))
+    keyed = scores + tl.load(bias_ptr + e, mask=ok, other=0.0)
+    keyed = tl.where(keyed == keyed, keyed, float("-inf"))  # a NaN key ranks lowest (torch.topk: highest)
+    free = ok  # experts not picked yet: ids stay distinct even when the best key left is -inf
     slot = tl.arange(0, BLOCK_K)
     picked_w = tl.zeros([BLOCK_K], dtype=tl.float32)
     picked_id = tl.zeros([BLOCK_K], dtype=tl.int32)
     for i in tl.static_range(TOP_K):
-        best = tl.max(keyed, 0)
-        # the lowest id holding the max; clamped so that a NaN row still yields ids in range
-        idx = tl.minimum(tl.min(tl.where(keyed == best, e, BLOCK_E), 0), E - 1)
+        best = tl.max(tl.where(free, keyed, float("-inf")), 0)
+        idx = tl.min(tl.where(free & (keyed == best), e, BLOCK_E), 0)  # the lowest free id holding it
         hit = e == idx
         picked_w = tl.where(slot == i, tl.sum(tl.where(hit, scores, 0.0), 0), picked_w)
         picked_id = tl.where(slot == i, idx, picked_id)
-        keyed = tl.where(hit, float("-inf"), keyed)
+        free = free & (e != idx)
     kept = slot < TOP_K
     weights = picked_w / tl.sum(tl.where(kept, picked_w, 0.0), 0) * scale
     tl.store(w_ptr + t * TOP_K + slot, weights, mask=kept)

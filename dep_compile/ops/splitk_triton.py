@@ -255,17 +255,17 @@ def _splitk_kernel(
             tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
-def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> tuple[int, int, int]:
+def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, fn: str = "splitk_linear") -> tuple[int, int, int]:
     if x.dim() != 2 or w.dim() != 2 or out.dim() != 2:
-        raise ValueError(f"splitk_linear: x, w, out must be 2-D, got {tuple(x.shape)}, {tuple(w.shape)}, {tuple(out.shape)}")
+        raise ValueError(f"{fn}: x, w, out must be 2-D, got {tuple(x.shape)}, {tuple(w.shape)}, {tuple(out.shape)}")
     m, k = x.shape
     n, kw = w.shape
     if kw != k or tuple(out.shape) != (m, n):
-        raise ValueError(f"splitk_linear: shapes x{tuple(x.shape)} w{tuple(w.shape)} out{tuple(out.shape)} do not match")
+        raise ValueError(f"{fn}: shapes x{tuple(x.shape)} w{tuple(w.shape)} out{tuple(out.shape)} do not match")
     if x.stride(1) != 1 or w.stride(1) != 1 or out.stride(1) != 1:
-        raise ValueError("splitk_linear: x, w and out need unit stride along their last dim")
+        raise ValueError(f"{fn}: x, w and out need unit stride along their last dim")
     if m < 1 or n < 1 or k < 1:
-        raise ValueError("splitk_linear: empty operand")
+        raise ValueError(f"{fn}: empty operand")
     return m, n, k
 
 
@@ -352,7 +352,7 @@ def splitk_partials(x: torch.Tensor, w: torch.Tensor, tactic: SplitK) -> torch.T
     """The ``tactic.split_k`` FP32 partial products ``[S, M, N]`` of ``x[M, K] @ w[N, K]^T``, one per
     K-slice, for a consumer kernel to sum in slice order (no workspace, no counters)."""
     parts = torch.empty(tactic.split_k, x.shape[0], w.shape[0], dtype=torch.float32, device=x.device)
-    m, n, k = _check(x, w, parts[0])
+    m, n, k = _check(x, w, parts[0], "splitk_partials")
     _splitk_kernel[splitk_grid(m, n, tactic)](
         x, w, None, parts, parts, parts, m, n, k, x.stride(0), w.stride(0), n, _k_per_split(k, tactic),
         BLOCK_M=splitk_block_m(m), BLOCK_N=tactic.block_n, BLOCK_K=tactic.block_k, SPLIT_K=tactic.split_k,
