@@ -9,8 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..stock.batched_attention import dsa_indexer_batched, sparse_mla_decode_batched
-from ..stock.reference.dsa import dsa_indexer_ref, sparse_mla_decode_ref
+from ..stock import ops as stock_ops
 from ..stock.reference.mla import split_kv_b
 from .packing import packed_rows
 from .projection import DepProjection
@@ -60,17 +59,15 @@ class PreparedDsa:
                    q_len: int) -> Tensor:
         """Everything between the two projections, as stock computes it: [T, H*v] BF16 (gated).
 
-        CPU: the readable references; CUDA: the stock ops' batched torch code (no host sync).
+        The stock ops themselves (the readable references on CPU, their batched torch code on CUDA).
         """
         q, latent, q_idx = self.split_query(q_a, kv_a, q_a_norm_w, kv_a_norm_w, q_b_w, wq_b_w)
         k_idx = F.layer_norm(k_idx.float(), (self.index_dim,), k_norm_w.float(), k_norm_b.float(),
                              self.k_norm_eps).to(k_idx.dtype)
-        cuda = q.is_cuda
-        indexer = dsa_indexer_batched if cuda else dsa_indexer_ref
-        topk = indexer(q_idx, w_idx, k_idx, index_cache, index_scale, slot_mapping, block_table, seq_lens, q_len,
-                       self.topk)
-        attend = sparse_mla_decode_batched if cuda else sparse_mla_decode_ref
-        o = attend(q, latent, kv_b_w, kv_cache, slot_mapping, block_table, topk, q_len, self.scale, self.nope)
+        topk = stock_ops.dsa_indexer(q_idx, w_idx, k_idx, index_cache, index_scale, slot_mapping, block_table,
+                                     seq_lens, q_len, self.topk)
+        o = stock_ops.sparse_mla_decode(q, latent, kv_b_w, kv_cache, slot_mapping, block_table, topk, q_len,
+                                        self.scale, self.nope)
         return (o.float() * torch.sigmoid(gate.float())).to(o.dtype)
 
     def core_triton(self, q_a, kv_a, gate, k_idx, w_idx, q_a_norm_w, kv_a_norm_w, q_b_w, kv_b_w, wq_b_w, k_norm_w,

@@ -53,6 +53,11 @@ __all__ = ["absorb_query", "latent_insert", "index_key_insert", "index_logits", 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _sm_count(t: torch.Tensor) -> int:
+    """SMs of ``t``'s GPU (8 in Triton's CPU interpreter): what the launch grids are sized to fill."""
+    return torch.cuda.get_device_properties(t.device).multi_processor_count if t.is_cuda else 8
+
+
 @triton.jit
 def _pow2_scale(amax):
     """Smallest power of two >= amax / 448, from the float bits (exact); amax clamped to 1e-12."""
@@ -186,8 +191,7 @@ def index_logits(q_idx: torch.Tensor, weights: torch.Tensor, index_cache: torch.
     qp = max(triton.next_power_of_2(q_len), triton.cdiv(16, Hi))  # tl.dot needs >= 16 query rows
     blocks = triton.cdiv(N, block_n)
     if steps is None:  # several key blocks a program (queries quantized once) while the grid fills the GPU
-        sms = torch.cuda.get_device_properties(q_idx.device).multi_processor_count if q_idx.is_cuda else 8
-        steps = max(1, min(16, B * blocks // (2 * sms)))
+        steps = max(1, min(16, B * blocks // (2 * _sm_count(q_idx))))
     steps = max(1, min(steps, blocks))
     grid = (B, triton.cdiv(N, block_n * steps))
     _index_logits_kernel[grid](
@@ -427,8 +431,7 @@ def sparse_mla_decode_latent(query: torch.Tensor, kv_cache: torch.Tensor, block_
     if T == 0:
         return out
     head_tiles = triton.cdiv(H, block_h)
-    sms = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else 8
-    n_split = splits or _splits(T, head_tiles, K, block_n, sms)
+    n_split = splits or _splits(T, head_tiles, K, block_n, _sm_count(query))
     if K % (n_split * block_n):  # each program's entries must be whole blocks of one row
         raise ValueError(f"top-k {K} is not a multiple of splits {n_split} x block_n {block_n}")
     chunk = K // n_split
