@@ -6,7 +6,7 @@ Kimi K3 full size (H=96, D=128, F=128, conv width 4), decode (q_len = 1) at B in
 
 1. checks the kernel against ``kda_core_ref`` on the GPU (same inputs, cloned states):
    output rel. Frobenius error, committed-state rel. error, conv state bit-equality;
-2. times each kernel variant (num_warps / maxnreg) with CUDA-graph replays
+2. times each kernel variant (``VARIANTS``: warps, F_B chunk) with CUDA-graph replays
    (``benchmarks/common.time_graph``), rotating over enough "layer copies" (states, conv
    states, f_b_w, conv_w, inputs) that their total exceeds twice the L2, medians;
 3. if ``fla-core`` imports, times ``fla.ops.kda`` fused recurrent decode (in-kernel gate, L2
@@ -42,10 +42,9 @@ HD = H * D
 LOWER_BOUND, NORM_EPS = -5.0, 1e-5
 BATCHES = (1, 4, 16, 64)
 VARIANTS = {  # name -> launcher kwargs
-    "w8": dict(num_warps=8),
-    "w16": dict(num_warps=16),
     "w4": dict(num_warps=4),
-    "w8_r128": dict(num_warps=8, maxnreg=128),
+    "w4_fb32": dict(num_warps=4, fb=32),
+    "w8": dict(num_warps=8),
 }
 
 

@@ -152,24 +152,31 @@ def test_kda_decode_core_several_steps(q_len):
 
 
 @pytest.mark.skipif(_DEV == "cpu", reason="routing needs CUDA tensors")
-def test_prepared_kda_core_routes_to_kernel_and_falls_back():
-    """PreparedKda.core on CUDA: the Triton kernel for q_len <= 8, the reference beyond."""
+def test_prepared_kda_core_routes_to_kernel_and_falls_back(caplog):
+    """PreparedKda.core on CUDA: the Triton kernel for q_len <= 8; beyond, the stock KDA core op
+    (its CUDA kernels), with the reason logged once."""
     kt = _kt()
+    from dep_compile.ops.fallbacks import LOGGED  # noqa: PLC0415
     from dep_compile.ops.kda import PreparedKda  # noqa: PLC0415
 
     H, D, Fr = SIZES["small"]
     prep = PreparedKda(heads=H, head_dim=D, f_rank=Fr, lower_bound=LOWER_BOUND, norm_eps=NORM_EPS,
                        in_proj=None, o_proj=None)
-    for q_len in (2, 9):
+    LOGGED.clear()
+    for q_len in (2, 9, 9):
         c = make_case(H, D, Fr, 4, q_len, seed=5 + q_len, device=_DEV)
         ref = reference(c, q_len)
-        out = prep.core(c["q"], c["k"], c["v"], c["f_a"], c["f_b_w"], c["beta"], c["g_out"], c["conv_w"],
-                        c["A_log"], c["dt_bias"], c["o_norm_w"], c["conv_state"], c["rec_state"],
-                        c["state_indices"], c["accepted"], q_len)
+        with caplog.at_level("WARNING", logger="dep_compile.ops.fallbacks"):
+            out = prep.core(c["q"], c["k"], c["v"], c["f_a"], c["f_b_w"], c["beta"], c["g_out"], c["conv_w"],
+                            c["A_log"], c["dt_bias"], c["o_norm_w"], c["conv_state"], c["rec_state"],
+                            c["state_indices"], c["accepted"], q_len)
         check(c, q_len, out, ref)
-    assert kt.kda_decode_unsupported(c["q"], c["k"], c["v"], c["f_a"], c["f_b_w"], c["beta"], c["g_out"],
-                                     c["conv_w"], c["A_log"], c["dt_bias"], c["o_norm_w"], c["conv_state"],
-                                     c["rec_state"], c["state_indices"], c["accepted"], 9) is not None
+    why = kt.kda_decode_unsupported(c["q"], c["k"], c["v"], c["f_a"], c["f_b_w"], c["beta"], c["g_out"],
+                                    c["conv_w"], c["A_log"], c["dt_bias"], c["o_norm_w"], c["conv_state"],
+                                    c["rec_state"], c["state_indices"], c["accepted"], 9)
+    assert why is not None
+    warnings = [r.getMessage() for r in caplog.records if "KDA layer" in r.getMessage()]
+    assert len(warnings) == 1 and why in warnings[0], warnings  # q_len 2: none; q_len 9 twice: logged once
 
 
 @pytest.mark.skipif(_DEV == "cpu", reason="CUDA graphs")
@@ -201,12 +208,15 @@ def test_kda_decode_core_graph_capture():
     assert torch.equal(c["conv_pool"], conv1) and torch.equal(c["rec_pool"], rec1)
 
 
-@pytest.mark.parametrize("num_warps", [4, 16])
+@pytest.mark.parametrize("kw", [dict(num_warps=4), dict(num_warps=16), dict(fb=32), dict(fb=16)], ids=str)
 @pytest.mark.parametrize("size,B,q_len", [("full", 4, 1), ("full", 16, 2), ("small", 16, 4)], ids=str)
-def test_kda_decode_core_other_num_warps(size, B, q_len, num_warps):
-    """The tuning knob changes no numerics: 4 warps (the fastest measured) and 16 warps."""
+def test_kda_decode_core_tuning_knobs(size, B, q_len, kw):
+    """The tuning knobs change no numerics: warps (4, the fastest measured, and 16) and the F_B
+    chunk width (defaults 64 at decode, 32 at verify)."""
+    if _DEV == "cpu" and size == "full":
+        pytest.skip("full size is slow in the interpreter (the GPU run covers it)")
     kt = _kt()
     H, D, Fr = SIZES[size]
-    c = make_case(H, D, Fr, B, q_len, seed=3 + B + q_len + num_warps, device=_DEV)
+    c = make_case(H, D, Fr, B, q_len, seed=3 + B + q_len + sum(kw.values()), device=_DEV)
     ref = reference(c, q_len)
-    check(c, q_len, run_kernel(kt, c, q_len, num_warps=num_warps), ref)
+    check(c, q_len, run_kernel(kt, c, q_len, **kw), ref)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import torch
 import torch.nn.functional as F
@@ -11,14 +10,11 @@ from torch import Tensor
 
 from ..stock import ops as stock_ops
 from ..stock.reference.mla import split_kv_b
+from .fallbacks import log_fallback
 from .packing import packed_rows
 from .projection import DepProjection
 from .registry import lookup
 from .streams import side_stream
-
-log = logging.getLogger(__name__)
-_LOGGED: set[str] = set()  # fallback reasons already logged
-
 
 @dataclasses.dataclass
 class PreparedDsa:
@@ -124,9 +120,8 @@ class PreparedDsa:
         why = dsa_triton_unsupported(kv_cache, index_cache, index_heads=self.index_heads, index_dim=self.index_dim,
                                      kv_lora=self.kv_lora, nope=self.nope, v_dim=self.gate_width // self.heads,
                                      topk=self.topk, block_n=min(64, self.topk))
-        if why is not None and why not in _LOGGED:
-            _LOGGED.add(why)
-            log.warning("kimi_dep DSA layer: Triton cores not used (%s); running the stock ops' torch code", why)
+        if why is not None:
+            log_fallback("DSA", why, "the stock ops' torch code")
         return why is None
 
     def forward(self, x, proj_ws, q_a_norm_w, kv_a_norm_w, q_b_w, kv_b_w, wq_b_w, k_norm_w, k_norm_b, o_proj_w,

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..stock.reference.kda import kda_core_ref
+from ..stock import ops as stock_ops
+from .fallbacks import log_fallback
 from .projection import DepProjection
 from .registry import lookup
 
@@ -27,23 +28,25 @@ class PreparedKda:
 
     def core(self, q, k, v, f_a, f_b_w, beta, g, conv_w, A_log, dt_bias, o_norm_w, conv_state, rec_state,
              state_indices, accepted, q_len: int) -> Tensor:
-        """The KDA core with the F_B gate computed inside it: [T, H*D] BF16."""
+        """The KDA core with the F_B gate computed inside it: [T, H*D] BF16.
+
+        CUDA: the one-launch Triton decode core (conv, F_B gate, norms, delta rule, gated RMSNorm).
+        A call it does not support (q_len > 8, odd shapes or strides; decided from metadata, no
+        sync) runs the stock op instead (on CUDA its graph-capturable kernels), after F_B as a
+        linear, and the reason is logged once per process. CPU: the stock op's reference.
+        """
         if q.is_cuda:
-            # CUDA: the one-launch Triton decode core (conv, F_B gate, norms, delta rule, gated
-            # RMSNorm). Anything it does not support (q_len > 8, odd shapes or strides, no
-            # Triton) falls through to the reference below; the reason is shape-only, no sync.
-            try:
-                from .kda_triton import kda_decode_core, kda_decode_unsupported
-            except ImportError:  # pragma: no cover - CUDA without Triton
-                kda_decode_core = None
-            if kda_decode_core is not None and kda_decode_unsupported(
-                    q, k, v, f_a, f_b_w, beta, g, conv_w, A_log, dt_bias, o_norm_w, conv_state, rec_state,
-                    state_indices, accepted, q_len) is None:
+            from .kda_triton import kda_decode_core, kda_decode_unsupported
+
+            why = kda_decode_unsupported(q, k, v, f_a, f_b_w, beta, g, conv_w, A_log, dt_bias, o_norm_w, conv_state,
+                                         rec_state, state_indices, accepted, q_len)
+            if why is None:
                 return kda_decode_core(q, k, v, f_a, f_b_w, beta, g, conv_w, A_log, dt_bias, o_norm_w, conv_state,
                                        rec_state, state_indices, accepted, q_len, self.lower_bound, self.norm_eps)
+            log_fallback("KDA", why, "the stock KDA core op")
         g_raw = F.linear(f_a, f_b_w)  # f_a [T, F] -> raw decay gate [T, H*D], BF16 as stock's f_b_proj
-        return kda_core_ref(q, k, v, g_raw, beta, g, conv_w, A_log, dt_bias, o_norm_w, conv_state, rec_state,
-                            state_indices, accepted, q_len, self.lower_bound, self.norm_eps)
+        return stock_ops.kda_core(q, k, v, g_raw, beta, g, conv_w, A_log, dt_bias, o_norm_w, conv_state, rec_state,
+                                  state_indices, accepted, q_len, self.lower_bound, self.norm_eps)
 
     def forward(self, x, in_proj_w, f_b_w, conv_w, A_log, dt_bias, o_norm_w, o_proj_w, conv_state, rec_state,
                 state_indices, accepted, q_len: int) -> Tensor:

@@ -7,7 +7,8 @@ size) held in registers:
 1. depthwise causal conv (width ``W``) + SiLU over the head's q, k and v channels, reading the
    ``W-1`` previous taps from the BF16 conv state and the new tokens from q / k / v; each conv
    output is rounded to BF16 (as the reference's ``.to(x.dtype)``); the new conv state (the
-   ``W-1`` taps after ``accepted`` tokens) is written back in place at the end;
+   ``W-1`` taps after ``accepted`` tokens: the last W-1 rows of the committed token's window,
+   kept in registers) is written back in place at the end;
 2. the F_B gate: ``g_raw = f_a @ f_b_w[h*D:(h+1)*D]^T`` (FP32 accumulation, rounded to BF16
    as the reference's ``F.linear``), then ``lower_bound * sigmoid(exp(A_log[h]) * (g_raw +
    dt_bias))``;
@@ -72,14 +73,13 @@ def _sigmoid(x):
 
 
 @triton.jit
-def _window(cs_base, stride_cs_w, x_base, stride_x, tok0, p0, ch, ok, W: tl.constexpr, WP: tl.constexpr,
-            NROWS: tl.constexpr):
-    """Rows ``p0 .. p0+NROWS-1`` of the conv window ``cat(conv_state[0:W-1], x[tok0:])`` for
-    channels ``ch``: a ``[WP, len(ch)]`` FP32 tile (rows >= NROWS are 0)."""
+def _window(cs_base, stride_cs_w, x_base, stride_x, tok0, p0, ch, ok, W: tl.constexpr, WP: tl.constexpr):
+    """Rows ``p0 .. p0+W-1`` of the conv window ``cat(conv_state[0:W-1], x[tok0:])`` for channels
+    ``ch``: a ``[WP, len(ch)]`` FP32 tile (rows >= W are 0)."""
     r = tl.arange(0, WP)
     p = p0 + r
     in_state = p < W - 1
-    live = (r < NROWS) & ((tl.zeros([WP], tl.int32) + ok.to(tl.int32)) != 0)  # tensor mask (interpreter)
+    live = (r < W) & ((tl.zeros([WP], tl.int32) + ok.to(tl.int32)) != 0)  # tensor mask (interpreter)
     s_ptr = cs_base + tl.minimum(p, W - 2).to(tl.int64)[:, None] * stride_cs_w + ch[None, :]
     from_state = tl.load(s_ptr, mask=(live & in_state)[:, None], other=0.0)
     xrow = tl.maximum(tok0 + p - (W - 1), 0).to(tl.int64)
@@ -89,12 +89,20 @@ def _window(cs_base, stride_cs_w, x_base, stride_x, tok0, p0, ch, ok, W: tl.cons
 
 
 @triton.jit
-def _conv_silu(cs_base, stride_cs_w, x_base, stride_x, tok0, t, ch, ok, cw, W: tl.constexpr, WP: tl.constexpr):
-    """Conv + SiLU output of token ``t`` for channels ``ch``, rounded to BF16, as FP32 ``[len(ch)]``."""
-    win = _window(cs_base, stride_cs_w, x_base, stride_x, tok0, t, ch, ok, W, WP, W)
+def _conv_silu(win, cw):
+    """Conv + SiLU of one ``_window`` tile (``cw`` [WP, len(ch)]), rounded to BF16, as FP32 ``[len(ch)]``."""
     y = tl.sum(win * cw, axis=0)
     y = y / (1.0 + tl.exp(-y))
     return y.to(tl.bfloat16).to(tl.float32)
+
+
+@triton.jit
+def _store_taps(cs_base, stride_cs_w, win, ch, keep, W: tl.constexpr, WP: tl.constexpr):
+    """Rows 1 .. W-1 of ``win`` (a ``_window`` tile: the taps after its token) stored as
+    conv-state rows 0 .. W-2 of channels ``ch``, where ``keep`` ([len(ch)] bool)."""
+    r = tl.arange(0, WP)
+    ptrs = cs_base + (r - 1).to(tl.int64)[:, None] * stride_cs_w + ch[None, :]
+    tl.store(ptrs, win.to(cs_base.dtype.element_ty), mask=((r >= 1) & (r < W))[:, None] & keep[None, :])
 
 
 @triton.jit
@@ -136,7 +144,6 @@ def _kda_decode_kernel(
     ch = h * D + offs
     a = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
     dtb = tl.load(dtb_ptr + ch).to(tl.float32)
-    onw = tl.load(onw_ptr + offs).to(tl.float32)
     wmask = offs_w[:, None] < W
     cw_q = tl.load(cw_ptr + ch[None, :] * stride_cw_c + offs_w[:, None] * stride_cw_w, mask=wmask, other=0.0)
     cw_k = tl.load(cw_ptr + (HD + ch)[None, :] * stride_cw_c + offs_w[:, None] * stride_cw_w, mask=wmask, other=0.0)
@@ -148,16 +155,24 @@ def _kda_decode_kernel(
 
     cs_base = cs_ptr + slot_c * stride_cs_s
     tok0 = b * Q_LEN
-    # The new conv taps (window rows accepted .. accepted+W-2), read before anything is written.
-    new_q = _window(cs_base, stride_cs_w, q_ptr, stride_q, tok0, acc, ch, ok, W, WP, W - 1)
-    new_k = _window(cs_base + HD, stride_cs_w, k_ptr, stride_k, tok0, acc, ch, ok, W, WP, W - 1)
-    new_v = _window(cs_base + 2 * HD, stride_cs_w, v_ptr, stride_v, tok0, acc, ch, ok, W, WP, W - 1)
+    # The window of the committed token (t + 1 == accepted) holds the new conv taps (its rows
+    # 1 .. W-1); kept in registers and stored after the last token has read the old taps.
+    taps_q = tl.zeros([WP, D], tl.float32)
+    taps_k = tl.zeros([WP, D], tl.float32)
+    taps_v = tl.zeros([WP, D], tl.float32)
 
     for t in tl.range(Q_LEN):  # a loop, not unrolled: unrolled verify steps spill registers
         tok = (tok0 + t).to(tl.int64)
-        qc = _conv_silu(cs_base, stride_cs_w, q_ptr, stride_q, tok0, t, ch, ok, cw_q, W, WP)
-        kc = _conv_silu(cs_base + HD, stride_cs_w, k_ptr, stride_k, tok0, t, ch, ok, cw_k, W, WP)
-        vc = _conv_silu(cs_base + 2 * HD, stride_cs_w, v_ptr, stride_v, tok0, t, ch, ok, cw_v, W, WP)
+        win_q = _window(cs_base, stride_cs_w, q_ptr, stride_q, tok0, t, ch, ok, W, WP)
+        win_k = _window(cs_base + HD, stride_cs_w, k_ptr, stride_k, tok0, t, ch, ok, W, WP)
+        win_v = _window(cs_base + 2 * HD, stride_cs_w, v_ptr, stride_v, tok0, t, ch, ok, W, WP)
+        commit = (tl.zeros([WP, D], tl.int32) + acc) == t + 1
+        taps_q = tl.where(commit, win_q, taps_q)
+        taps_k = tl.where(commit, win_k, taps_k)
+        taps_v = tl.where(commit, win_v, taps_v)
+        qc = _conv_silu(win_q, cw_q)
+        kc = _conv_silu(win_k, cw_k)
+        vc = _conv_silu(win_v, cw_v)
         qn = qc * (tl.rsqrt(tl.sum(qc * qc, axis=0) + 1e-6) * (D ** -0.5))
         kn = kc * tl.rsqrt(tl.sum(kc * kc, axis=0) + 1e-6)
 
@@ -183,17 +198,16 @@ def _kda_decode_kernel(
         tl.store(st_out, S, mask=st_mask & (commit_d == t + 1)[None, :])
 
         gate = _sigmoid(tl.load(g_ptr + tok * stride_g + ch).to(tl.float32))
+        onw = tl.load(onw_ptr + offs).to(tl.float32)
         y = o * tl.rsqrt(tl.sum(o * o, axis=0) / D + norm_eps) * onw * gate
         y = tl.where(ok_d, y, 0.0)
         tl.store(out_ptr + tok * stride_out + ch, y.to(out_ptr.dtype.element_ty))
 
     # Every conv-state read of this program is done before its taps are overwritten.
     tl.debug_barrier()
-    cs_mask = (offs_w[:, None] < W - 1) & ok_d[None, :]
-    cs_rows = cs_base + offs_w.to(tl.int64)[:, None] * stride_cs_w + ch[None, :]
-    tl.store(cs_rows, new_q.to(cs_ptr.dtype.element_ty), mask=cs_mask)
-    tl.store(cs_rows + HD, new_k.to(cs_ptr.dtype.element_ty), mask=cs_mask)
-    tl.store(cs_rows + 2 * HD, new_v.to(cs_ptr.dtype.element_ty), mask=cs_mask)
+    _store_taps(cs_base, stride_cs_w, taps_q, ch, ok_d, W, WP)
+    _store_taps(cs_base + HD, stride_cs_w, taps_k, ch, ok_d, W, WP)
+    _store_taps(cs_base + 2 * HD, stride_cs_w, taps_v, ch, ok_d, W, WP)
 
 
 def _pow2(n: int) -> bool:
@@ -240,7 +254,7 @@ def kda_decode_unsupported(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_b
 
 def kda_decode_core(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_bias, o_norm_w, conv_state, rec_state,
                     state_indices, accepted, q_len: int, lower_bound: float, norm_eps: float, *,
-                    num_warps: int = 4, fb: int = 32, maxnreg: int | None = None,
+                    num_warps: int = 4, fb: int | None = None, maxnreg: int | None = None,
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """The KDA core of one decode / verify step in one launch; mutates ``conv_state`` and ``rec_state``.
 
@@ -251,9 +265,11 @@ def kda_decode_core(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_bias, o_
     state_indices [B] (-1 = padding); accepted [B] in 1..q_len. Returns [T, H*D] bf16
     (``out`` if given, else a new tensor; every element written).
 
-    Tuning: ``num_warps`` per program (4 measured 1.3-1.55x faster than 8 on the H200,
-    2026-11-30, docs/perf_kda.md; the head's 128 x 128 FP32 state is then 128 registers a thread), ``fb`` columns of ``f_b_w`` per step of the F_B mat-vec, ``maxnreg`` an optional
-    register cap (more programs per SM, at the price of spills).
+    Tuning (measured on the H200, docs/perf_kda.md): ``num_warps`` per program (4 is 1.3-1.55x
+    faster than 8; the head's 128 x 128 FP32 state is then 128 registers a thread); ``fb``
+    columns of ``f_b_w`` per step of the F_B mat-vec (default 64 for decode, 2-5 % faster than
+    32; 32 for verify steps, whose token loop keeps more registers live); ``maxnreg`` an
+    optional register cap (more programs per SM, at the price of spills).
     """
     T, HD = q.shape
     H = beta.shape[-1]
@@ -276,7 +292,7 @@ def kda_decode_core(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_bias, o_
         out.stride(0),
         float(lower_bound), float(norm_eps),
         H=H, D=D, F=F, W=W, WP=triton.next_power_of_2(W), Q_LEN=int(q_len),
-        ST_V=rec_state.stride(2), ST_K=rec_state.stride(3), FB=min(F, fb),
+        ST_V=rec_state.stride(2), ST_K=rec_state.stride(3), FB=min(F, fb or (64 if q_len == 1 else 32)),
         num_warps=num_warps,
         **({"maxnreg": int(maxnreg)} if maxnreg else {}),
     )
