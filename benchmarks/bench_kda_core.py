@@ -15,7 +15,7 @@ Kimi K3 full size (H=96, D=128, F=128, conv width 4), decode (q_len = 1) at B in
 
 Reported: µs per launch, state traffic TB/s (state read + written: 2 x 6 MiB per request),
 all-bytes TB/s (state + f_b_w + conv state + inputs/outputs), the state floor at 4.33 TB/s.
-Writes ``kda_core.json`` to ``--out`` (default ``$OUT`` or ``.``).
+Writes ``kda_core.json`` and the plot ``kda_core.png`` to ``--out`` (default ``$OUT`` or ``.``).
 
 Run from the repository root on a CUDA machine::
 
@@ -216,8 +216,20 @@ def main() -> None:
     except Exception as e:  # noqa: BLE001
         print("kernel info unavailable:", repr(e))
     path = common.write_json(os.path.join(args.out, "kda_core.json"), {"results": results, "kernels": kernels})
+    plot(results, os.path.join(args.out, "kda_core.png"))
     print(common.format_table(headers, rows))
     print("wrote", path)
+
+
+def plot(results: list[dict], path: str) -> None:
+    """µs per launch vs requests: every variant, fla-core, and the state floor at 4.33 TB/s."""
+    names = [n for n, v in results[0].items() if isinstance(v, dict) and "median_us" in v and not n.endswith("_again")]
+    series = {("fla-core" if n == "fla" else f"kimi_dep {n}"): [r.get(n, {}).get("median_us") for r in results]
+              for n in names}
+    series["state floor @4.33 TB/s"] = [r["floor_state_us"] for r in results]
+    common.plot_panels(path, [{"title": "KDA decode core (full size, q=1)", "x": [r["B"] for r in results],
+                               "series": series}], xlabel="requests", ylabel="µs per launch",
+                       suptitle="kimi_dep Triton KDA core vs fla-core fused_recurrent_kda")
 
 
 if __name__ == "__main__":
