@@ -181,7 +181,11 @@ def _kda_decode_kernel(
     taps_k = tl.zeros([WP, D], tl.float32)
     taps_v = tl.zeros([WP, D], tl.float32)
 
-    for t in tl.range(Q_LEN):  # a loop, not unrolled: unrolled verify steps spill registers
+    # Verify steps: a loop, not unrolled (unrolled, they spill registers), software-pipelined in
+    # two stages: the next token's window, F_B and gate loads stream into shared memory while
+    # this token computes (1.2x faster at 16-64 requests x 4 tokens; 3 stages were slower).
+    # Decode runs it once, not pipelined.
+    for t in tl.range(Q_LEN, num_stages=2):
         tok = (tok0 + t).to(tl.int64)
         win_q = _window(cs_base, stride_cs_w, q_ptr, stride_q, tok0, t, ch, ok, W, WP)
         win_k = _window(cs_base + HD, stride_cs_w, k_ptr, stride_k, tok0, t, ch, ok, W, WP)
