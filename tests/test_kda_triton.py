@@ -151,6 +151,20 @@ def test_kda_decode_core_several_steps(q_len):
         c["packed"].copy_(torch.randn(c["packed"].shape).to(torch.bfloat16).to(c["packed"].device))
 
 
+def test_kda_decode_core_zero_accepted_keeps_states():
+    """A request with accepted = 0 commits no token: its conv taps and recurrent state stay as they
+    were (as the reference), while the other requests commit as usual."""
+    kt = _kt()
+    H, D, Fr = SIZES["small"]
+    c = make_case(H, D, Fr, 3, 2, seed=41, device=_DEV, padding=False)
+    c["accepted"].copy_(torch.tensor([0, 1, 2], dtype=torch.int32))
+    slot = int(c["state_indices"][0])
+    conv0, rec0 = c["conv_state"][slot].clone(), c["rec_state"][slot].clone()
+    ref = reference(c, 2)
+    check(c, 2, run_kernel(kt, c, 2), ref)
+    assert torch.equal(c["conv_state"][slot], conv0) and torch.equal(c["rec_state"][slot], rec0)
+
+
 @pytest.mark.skipif(_DEV == "cpu", reason="routing needs CUDA tensors")
 def test_prepared_kda_core_routes_to_kernel_and_falls_back(caplog):
     """PreparedKda.core on CUDA: the Triton kernel for q_len <= 8; beyond, the stock KDA core op

@@ -41,7 +41,7 @@ name                shape / dtype               notes
 ``rec_state``       ``[S, H, Dv=D, Dk=D]`` fp32 mutated; every stride free (the two inner
                                                 ones are compile-time constants)
 ``state_indices``   ``[B]`` int32/int64         slot per request, -1 = padding
-``accepted``        ``[B]`` int32/int64         in 1..q_len: tokens whose state is committed
+``accepted``        ``[B]`` int32/int64         in 1..q_len: tokens whose state is committed (0 commits none)
 returns             ``[T, H*D]`` bf16           freshly allocated (the only allocation)
 ==================  ==========================  =============================================
 
@@ -228,11 +228,13 @@ def _kda_decode_kernel(
         y = tl.where(ok_d, y, 0.0)
         tl.store(out_ptr + tok * stride_out + ch, y.to(out_ptr.dtype.element_ty))
 
-    # Every conv-state read of this program is done before its taps are overwritten.
+    # Every conv-state read of this program is done before its taps are overwritten. An accepted
+    # count outside 1..Q_LEN committed no token: both states stay as they were (as the reference).
     tl.debug_barrier()
-    _store_taps(cs_base, stride_cs_w, taps_q, ch, ok_d, W, WP)
-    _store_taps(cs_base + HD, stride_cs_w, taps_k, ch, ok_d, W, WP)
-    _store_taps(cs_base + 2 * HD, stride_cs_w, taps_v, ch, ok_d, W, WP)
+    keep = ok_d & (commit_d >= 1) & (commit_d <= Q_LEN)
+    _store_taps(cs_base, stride_cs_w, taps_q, ch, keep, W, WP)
+    _store_taps(cs_base + HD, stride_cs_w, taps_k, ch, keep, W, WP)
+    _store_taps(cs_base + 2 * HD, stride_cs_w, taps_v, ch, keep, W, WP)
 
 
 def _pow2(n: int) -> bool:
