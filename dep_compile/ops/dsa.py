@@ -16,6 +16,7 @@ from .projection import DepProjection
 from .registry import lookup
 from .streams import side_stream
 
+
 @dataclasses.dataclass
 class PreparedDsa:
     """Sizes, norms' eps and projections of one DSA layer, prepared once at compile time."""

@@ -33,7 +33,9 @@ class PreparedKda:
         CUDA: the one-launch Triton decode core (conv, F_B gate, norms, delta rule, gated RMSNorm).
         A call it does not support (q_len > 8, odd shapes or strides; decided from metadata, no
         sync) runs the stock op instead (on CUDA its graph-capturable kernels), after F_B as a
-        linear, and the reason is logged once per process. CPU: the stock op's reference.
+        linear, and the reason is logged once per process; states the stock CUDA op cannot
+        address in place either (not [S, H, D, D] FP32 with contiguous slots, or a conv state
+        without unit channel stride) raise its ValueError. CPU: the stock op's reference.
         """
         if q.is_cuda:
             from .kda_triton import kda_decode_core, kda_decode_unsupported

@@ -41,14 +41,14 @@ name                shape / dtype               notes
 ``rec_state``       ``[S, H, Dv=D, Dk=D]`` fp32 mutated; every stride free (the two inner
                                                 ones are compile-time constants)
 ``state_indices``   ``[B]`` int32/int64         slot per request, -1 = padding
-``accepted``        ``[B]`` int32/int64         in 1..q_len: tokens whose state is committed (0 commits none)
+``accepted``        ``[B]`` int32/int64         in 0..q_len: tokens whose state is committed
 returns             ``[T, H*D]`` bf16           freshly allocated (the only allocation)
 ==================  ==========================  =============================================
 
 No host synchronisation and no allocation besides the output: CUDA-graph capturable.
 Supported: ``q_len <= MAX_Q_LEN`` (8), power-of-two ``D`` and ``F``, ``W <= 8``
-(:func:`kda_decode_unsupported` says why a call is not supported; callers fall back to the
-reference).
+(:func:`kda_decode_unsupported` says why a call is not supported; ``PreparedKda.core`` then
+runs the stock KDA core op and logs the reason once).
 
 The module imports Triton at import time: import it only where CUDA and Triton exist.
 """
@@ -182,8 +182,10 @@ def _kda_decode_kernel(
     taps_v = tl.zeros([WP, D], tl.float32)
 
     # Verify steps: a loop, not unrolled (unrolled, they spill registers), software-pipelined in
-    # two stages: the next token's window, F_B and gate loads stream into shared memory while
-    # this token computes (1.2x faster at 16-64 requests x 4 tokens; 3 stages were slower).
+    # two stages: the next token's conv windows, f_a and f_b_w chunks stream into shared memory
+    # as asynchronous copies while this token computes (1.2x faster at 16-64 requests x 4
+    # tokens; 3 stages were slower). Triton does this only where the row strides are multiples
+    # of 16 elements (true of the packed in_proj output); otherwise the loads stay in the loop.
     # Decode runs it once, not pipelined.
     for t in tl.range(Q_LEN, num_stages=2):
         tok = (tok0 + t).to(tl.int64)
@@ -228,8 +230,9 @@ def _kda_decode_kernel(
         y = tl.where(ok_d, y, 0.0)
         tl.store(out_ptr + tok * stride_out + ch, y.to(out_ptr.dtype.element_ty))
 
-    # Every conv-state read of this program is done before its taps are overwritten. An accepted
-    # count outside 1..Q_LEN committed no token: both states stay as they were (as the reference).
+    # Every conv-state read of this program is done before its taps are overwritten. accepted = 0
+    # commits no token: both states stay as they were (as the reference; counts above Q_LEN are
+    # outside the contract and leave them too).
     tl.debug_barrier()
     keep = ok_d & (commit_d >= 1) & (commit_d <= Q_LEN)
     _store_taps(cs_base, stride_cs_w, taps_q, ch, keep, W, WP)
@@ -247,7 +250,7 @@ def kda_decode_unsupported(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_b
     if not q.is_cuda and not _INTERPRET:
         return "not on CUDA"
     if not 1 <= q_len <= MAX_Q_LEN:
-        return f"q_len {q_len} > {MAX_Q_LEN} (state would not stay in registers across tokens)"
+        return f"q_len {q_len} not in 1..{MAX_Q_LEN} (the state stays in registers across tokens)"
     T, HD = q.shape
     H = beta.shape[-1]
     if H == 0 or HD % H or T % q_len:
@@ -289,14 +292,15 @@ def kda_decode_core(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_bias, o_
     q, k, v [T, H*D] bf16; f_a [T, F] bf16; f_b_w [H*D, F] bf16; beta [T, H] logits;
     g_out [T, H*D] bf16; conv_w [3*H*D, W]; A_log [H] fp32; dt_bias [H*D] fp32; o_norm_w [D];
     conv_state [S, W-1, 3*H*D] bf16; rec_state [S, H, D, D] fp32 (value-major);
-    state_indices [B] (-1 = padding); accepted [B] in 1..q_len. Returns [T, H*D] bf16
-    (``out`` if given, else a new tensor; every element written).
+    state_indices [B] (-1 = padding); accepted [B] in 0..q_len. Returns [T, H*D] bf16
+    (``out`` if given, else a new tensor; every element written; ``out`` must not overlap the
+    inputs: verify steps prefetch the next token's inputs after this token's output is stored).
 
-    Tuning (measured on the H200, docs/perf_kda.md): ``num_warps`` per program (4 is 1.3-1.55x
+    Tuning (measured on the H200, docs/perf_kda.md): ``num_warps`` per program (4 is 1.2-1.8x
     faster than 8; the head's 128 x 128 FP32 state is then 128 registers a thread); ``fb``
-    columns of ``f_b_w`` per step of the F_B mat-vec (default 64 for decode, 2-5 % faster than
-    32; 32 for verify steps, whose token loop keeps more registers live); ``maxnreg`` an
-    optional register cap (more programs per SM, at the price of spills).
+    columns of ``f_b_w`` per step of the F_B mat-vec, a power of two (default 64 for decode,
+    2-7 % faster than 32; 32 for verify steps, whose token loop keeps more registers live);
+    ``maxnreg`` an optional register cap (more programs per SM, at the price of spills).
     """
     T, HD = q.shape
     H = beta.shape[-1]
