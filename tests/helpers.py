@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -17,6 +18,22 @@ from dep_compile.stock.cache import FP8_REL, cache_differences
 # glue (norms, AttnRes, residuals) is fused, again moving BF16 results by a few ulps.
 LOGIT_ATOL = 0.1  # logits are O(1); a wrong slice or lost cache write moves them by O(1)
 STATE_ATOL = 0.05
+
+
+@contextlib.contextmanager
+def fallback_log():
+    """Yields the set of ``"layer: reason"`` fallbacks the kimi_dep ops log inside the block, filled
+    on exit; reasons logged earlier in the process are logged (and caught) again inside it."""
+    from dep_compile.ops.fallbacks import LOGGED
+
+    saved = set(LOGGED)
+    LOGGED.clear()
+    logged: set[str] = set()
+    try:
+        yield logged
+    finally:
+        logged.update(LOGGED)
+        LOGGED.update(saved)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

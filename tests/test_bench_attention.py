@@ -11,9 +11,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import bench_attention as ba  # noqa: E402
-from helpers import CUBLAS_ONLY  # noqa: E402
+from helpers import CUBLAS_ONLY, fallback_log  # noqa: E402
 
-from dep_compile.ops.fallbacks import LOGGED  # noqa: E402
 from dep_compile.stock import preset  # noqa: E402
 
 CFG = preset("k31-small")  # KDA 4 heads x 32, conv width 4; latent 32 + 16; index keys 32 wide, top-16
@@ -80,14 +79,9 @@ def test_layer_on_cuda_eager_vs_kimi_dep(kind, rows, q, context):
     harness's parity tolerances (outputs 2e-2; caches as its docstring says)."""
     block = ba.build_block(CFG, kind, device="cuda", seed=0)
     step = ba.make_step(CFG, kind, rows, q, context, block_size=4, device="cuda", seed=1)
-    saved = set(LOGGED)  # reasons a layer fell back to stock code, logged once each per process:
-    LOGGED.clear()  # cleared, so that a reason logged by an earlier test is caught here too
-    try:
+    with fallback_log() as fell_back:  # reasons a layer ran stock code instead of its kernels
         dep = torch.compile(block, backend="kimi_dep", fullgraph=True, dynamic=False, options={"inductor": False})
         with torch.no_grad():
             errs = ba.parity(block, {"kimi_dep": dep}, step)["kimi_dep"]
-        fell_back = set(LOGGED)
-    finally:
-        LOGGED.update(saved)
     assert ba.parity_violations({"kimi_dep": errs}) == [], errs
     assert not fell_back, f"a layer fell back to stock code: {fell_back}"

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from dep_compile.stock.reference.kda import kda_core_ref
 
+from helpers import fallback_log
 from kda_parity import assert_kda_step as check
 from triton_device import DEVICE_MARKS, TRITON_DEV as _DEV, use_triton
 
@@ -182,28 +183,25 @@ def test_prepared_kda_core_routes_to_kernel_and_falls_back(caplog):
     """PreparedKda.core on CUDA: the Triton kernel for q_len <= 8; beyond, the stock KDA core op
     (its CUDA kernels), with the reason logged once."""
     kt = _kt()
-    from dep_compile.ops.fallbacks import LOGGED  # noqa: PLC0415
     from dep_compile.ops.kda import PreparedKda  # noqa: PLC0415
 
     H, D, Fr = SIZES["small"]
     prep = PreparedKda(heads=H, head_dim=D, f_rank=Fr, lower_bound=LOWER_BOUND, norm_eps=NORM_EPS,
                        in_proj=None, o_proj=None)
-    saved = set(LOGGED)
-    LOGGED.clear()  # this test's reason must be logged here, once
-    for q_len in (2, 9, 9):
-        c = make_case(H, D, Fr, 4, q_len, seed=5 + q_len, device=_DEV)
-        ref = reference(c, q_len)
-        with caplog.at_level("WARNING", logger="dep_compile.ops.fallbacks"):
-            out = prep.core(c["q"], c["k"], c["v"], c["f_a"], c["f_b_w"], c["beta"], c["g_out"], c["conv_w"],
-                            c["A_log"], c["dt_bias"], c["o_norm_w"], c["conv_state"], c["rec_state"],
-                            c["state_indices"], c["accepted"], q_len)
-        check(c, q_len, out, ref)
+    with fallback_log():  # this test's reason must be logged here, once
+        for q_len in (2, 9, 9):
+            c = make_case(H, D, Fr, 4, q_len, seed=5 + q_len, device=_DEV)
+            ref = reference(c, q_len)
+            with caplog.at_level("WARNING", logger="dep_compile.ops.fallbacks"):
+                out = prep.core(c["q"], c["k"], c["v"], c["f_a"], c["f_b_w"], c["beta"], c["g_out"], c["conv_w"],
+                                c["A_log"], c["dt_bias"], c["o_norm_w"], c["conv_state"], c["rec_state"],
+                                c["state_indices"], c["accepted"], q_len)
+            check(c, q_len, out, ref)
     why = kt.kda_decode_unsupported(c["q"], c["k"], c["v"], c["f_a"], c["f_b_w"], c["beta"], c["g_out"],
                                     c["conv_w"], c["A_log"], c["dt_bias"], c["o_norm_w"], c["conv_state"],
                                     c["rec_state"], c["state_indices"], c["accepted"], 9)
     assert why is not None
     warnings = [r.getMessage() for r in caplog.records if "KDA layer" in r.getMessage()]
-    LOGGED.update(saved)
     assert len(warnings) == 1 and why in warnings[0], warnings  # q_len 2: none; q_len 9 twice: logged once
 
 

@@ -7,7 +7,7 @@ import torch
 
 from dep_compile.stock import build_model, preset
 
-from helpers import LOGIT_ATOL, STATE_ATOL, run_pair
+from helpers import LOGIT_ATOL, STATE_ATOL, fallback_log, run_pair
 
 
 def _moe_reasons(report):
@@ -79,19 +79,13 @@ def test_intermediate_with_outside_user_stays_stock():
 
 def test_op_fallback_logged_once_per_layer_kind_and_reason(caplog):
     """A rewritten op that runs stock code says why, once per (layer kind, reason) per process."""
-    from dep_compile.ops.fallbacks import LOGGED, log_fallback  # noqa: PLC0415
+    from dep_compile.ops.fallbacks import log_fallback  # noqa: PLC0415
 
-    saved = set(LOGGED)
-    LOGGED.clear()
-    try:
-        with caplog.at_level("WARNING", logger="dep_compile.ops.fallbacks"):
-            for layer, why in [("KDA", "q_len 9"), ("KDA", "q_len 9"), ("DSA", "q_len 9"), ("KDA", "odd strides")]:
-                log_fallback(layer, why, "the stock op")
-        messages = [r.getMessage() for r in caplog.records]
-        assert LOGGED == {"KDA: q_len 9", "DSA: q_len 9", "KDA: odd strides"}
-    finally:
-        LOGGED.clear()
-        LOGGED.update(saved)
+    with fallback_log() as logged, caplog.at_level("WARNING", logger="dep_compile.ops.fallbacks"):
+        for layer, why in [("KDA", "q_len 9"), ("KDA", "q_len 9"), ("DSA", "q_len 9"), ("KDA", "odd strides")]:
+            log_fallback(layer, why, "the stock op")
+    messages = [r.getMessage() for r in caplog.records]
+    assert logged == {"KDA: q_len 9", "DSA: q_len 9", "KDA: odd strides"}
     assert messages == ["kimi_dep KDA layer: Triton kernels not used (q_len 9); running the stock op",
                         "kimi_dep DSA layer: Triton kernels not used (q_len 9); running the stock op",
                         "kimi_dep KDA layer: Triton kernels not used (odd strides); running the stock op"]

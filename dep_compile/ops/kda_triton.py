@@ -106,17 +106,19 @@ def _store_taps(cs_base, stride_cs_w, win, ch, keep, W: tl.constexpr, WP: tl.con
 
 
 @triton.jit
-def _f_b_gate(fa_ptr, stride_fa, tok, fbw_ptr, stride_fbw, ch, D: tl.constexpr, F: tl.constexpr, FB: tl.constexpr):
-    """Raw decay gate of token ``tok`` for channels ``ch``: ``f_a[tok] @ f_b_w[ch]^T`` in FP32, FB
-    columns of ``f_b_w`` at a time (bounded registers), rounded to BF16 (as the reference's
-    ``F.linear``), as FP32 ``[D]``."""
+def _gates(fa_ptr, stride_fa, beta_ptr, stride_beta, tok, h, fbw_ptr, stride_fbw, ch, D: tl.constexpr,
+           F: tl.constexpr, FB: tl.constexpr):
+    """Token ``tok``'s raw decay gate for channels ``ch`` and head ``h``'s beta: (``f_a[tok] @
+    f_b_w[ch]^T`` in FP32, FB columns of ``f_b_w`` at a time (bounded registers), rounded to BF16
+    as the reference's ``F.linear``, as FP32 ``[D]``; ``sigmoid(beta[tok, h])``)."""
+    beta = _sigmoid(tl.load(beta_ptr + tok * stride_beta + h).to(tl.float32))
     offs_fb = tl.arange(0, FB)
     g_acc = tl.zeros([D], dtype=tl.float32)
     for f0 in tl.static_range(0, F, FB):
         fa = tl.load(fa_ptr + tok * stride_fa + f0 + offs_fb).to(tl.float32)
         fbw = tl.load(fbw_ptr + ch.to(tl.int64)[:, None] * stride_fbw + (f0 + offs_fb)[None, :])
         g_acc += tl.sum(fbw.to(tl.float32) * fa[None, :], axis=1)
-    return g_acc.to(tl.bfloat16).to(tl.float32)
+    return g_acc.to(tl.bfloat16).to(tl.float32), beta
 
 
 @triton.jit
@@ -158,8 +160,8 @@ def _kda_decode_kernel(
     # before the slot-dependent chain (slot -> state / conv-state loads) starts; issued after it,
     # they waited for the slot (1.2x slower at 16-64 requests, docs/perf_kda.md).
     if Q_LEN == 1:
-        g_first = _f_b_gate(fa_ptr, stride_fa, tok0.to(tl.int64), fbw_ptr, stride_fbw, ch, D, F, FB)
-        beta_first = _sigmoid(tl.load(beta_ptr + tok0.to(tl.int64) * stride_beta + h).to(tl.float32))
+        g_first, beta_first = _gates(fa_ptr, stride_fa, beta_ptr, stride_beta, tok0.to(tl.int64), h, fbw_ptr,
+                                     stride_fbw, ch, D, F, FB)
 
     slot = tl.load(idx_ptr + b).to(tl.int64)
     acc = tl.load(acc_ptr + b).to(tl.int32)
@@ -192,10 +194,10 @@ def _kda_decode_kernel(
         win_q = _window(cs_base, stride_cs_w, q_ptr, stride_q, tok0, t, ch, ok, W, WP)
         win_k = _window(cs_base + HD, stride_cs_w, k_ptr, stride_k, tok0, t, ch, ok, W, WP)
         win_v = _window(cs_base + 2 * HD, stride_cs_w, v_ptr, stride_v, tok0, t, ch, ok, W, WP)
-        commit = (tl.zeros([WP, D], tl.int32) + acc) == t + 1
-        taps_q = tl.where(commit, win_q, taps_q)
-        taps_k = tl.where(commit, win_k, taps_k)
-        taps_v = tl.where(commit, win_v, taps_v)
+        commit = commit_d == t + 1  # [D]: this token's state (and taps) are the committed ones
+        taps_q = tl.where(commit[None, :], win_q, taps_q)
+        taps_k = tl.where(commit[None, :], win_k, taps_k)
+        taps_v = tl.where(commit[None, :], win_v, taps_v)
         qc = _conv_silu(win_q, cw_q)
         kc = _conv_silu(win_k, cw_k)
         vc = _conv_silu(win_v, cw_v)
@@ -203,14 +205,10 @@ def _kda_decode_kernel(
         kn = kc * tl.rsqrt(tl.sum(kc * kc, axis=0) + 1e-6)
 
         if Q_LEN == 1:
-            g_raw = g_first
+            g_raw, beta = g_first, beta_first
         else:
-            g_raw = _f_b_gate(fa_ptr, stride_fa, tok, fbw_ptr, stride_fbw, ch, D, F, FB)
+            g_raw, beta = _gates(fa_ptr, stride_fa, beta_ptr, stride_beta, tok, h, fbw_ptr, stride_fbw, ch, D, F, FB)
         decay = tl.exp(lower_bound * _sigmoid(a * (g_raw + dtb)))
-        if Q_LEN == 1:
-            beta = beta_first
-        else:
-            beta = _sigmoid(tl.load(beta_ptr + tok * stride_beta + h).to(tl.float32))
 
         S = S * decay[None, :]
         pred = tl.sum(S * kn[None, :], axis=1)
@@ -224,7 +222,7 @@ def _kda_decode_kernel(
         onw = tl.load(onw_ptr + offs).to(tl.float32)
         slot_s = tl.maximum(tl.load(idx_ptr + b).to(tl.int64), 0)
         st_out = st_ptr + slot_s * stride_st_s + h * stride_st_h + offs[:, None] * ST_V + offs[None, :] * ST_K
-        tl.store(st_out, S, mask=st_mask & (commit_d == t + 1)[None, :])
+        tl.store(st_out, S, mask=st_mask & commit[None, :])
 
         y = o * tl.rsqrt(tl.sum(o * o, axis=0) / D + norm_eps) * onw * gate
         y = tl.where(ok_d, y, 0.0)
