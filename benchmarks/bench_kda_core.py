@@ -43,7 +43,7 @@ LOWER_BOUND, NORM_EPS = -5.0, 1e-5
 BATCHES = (1, 4, 16, 64)
 VARIANTS = {  # name -> launcher kwargs
     "w4": dict(num_warps=4),
-    "w4_fb32": dict(num_warps=4, fb=32),
+    "w4_fb64": dict(num_warps=4, fb=64),
     "w8": dict(num_warps=8),
 }
 
