@@ -7,9 +7,11 @@ events over CUDA-graph replays (medians, ``common.time_graph``), every listed co
 
 * ``index_logits`` (keys per step, steps per program, warps, pipeline stages),
 * top-k: torch (``select_topk_positions``: topk + sort) against the one-launch radix select
-  (``select_topk_triton``, chunk size, warps),
-* ``sparse_mla_decode_latent`` (heads per program, entries per step, warps, pipeline stages,
-  positions or cache rows), each first checked against the default,
+  (``select_topk_triton``, chunk size, warps, radix digit width), each first checked against torch,
+* ``sparse_mla_decode_latent`` over cache rows (heads per program, entries per step, warps,
+  pipeline stages, splits of the selected entries), each first checked against the default,
+* ``per_head`` (once per token count): ``absorb_query`` and ``uv_gate`` by the output columns
+  a program computes,
 
 and prints µs per configuration, the best, and the bytes each must move (keys at 132 B per
 position; selected latents at 1152 B per entry) as TB/s. At small points the caches fit in
@@ -53,12 +55,13 @@ def make_case(T: int, ctx: int, seed: int = 0) -> dict:
     )
 
 
-def sweep(name: str, configs: list[dict], fn, nbytes: float, T: int, ctx: int) -> list[dict]:
-    """Time ``fn(**config)`` for every config; print and return the rows."""
+def sweep(name: str, configs: list[dict], fn, nbytes: float, T: int, ctx: int, rotate: bool = False) -> list[dict]:
+    """Time ``fn(**config)`` (``fn(i, **config)`` for the i-th launch with ``rotate``) for every
+    config; print and return the rows."""
     rows = []
     for cfg in configs:
         try:
-            us = time_graph(lambda i, cfg=cfg: fn(**cfg), 20)["median_us"]
+            us = time_graph(lambda i, cfg=cfg: fn(i, **cfg) if rotate else fn(**cfg), 24)["median_us"]
             rows.append(dict(kernel=name, tokens=T, context=ctx, config=cfg, us=us, tbps=tbps(nbytes, us)))
         except Exception as e:  # noqa: BLE001 - a config that does not compile (registers, smem) is skipped
             rows.append(dict(kernel=name, tokens=T, context=ctx, config=cfg, error=f"{type(e).__name__}: {e}"[:200]))
@@ -86,8 +89,12 @@ def sweep_point(dt, T: int, ctx: int, kernels: set[str]) -> list[dict]:
     topk_torch = lambda: dt.select_topk_positions(logits, TOPK)  # noqa: E731
     if "topk" in kernels:
         results += sweep("topk_torch", [{}], topk_torch, T * ctx * 4, T, ctx)
-        results += sweep("topk_triton", [dict(block=b, num_warps=w) for b in (1024, 2048, 4096) for w in (4, 8, 16)],
-                         lambda **k: dt.select_topk_triton(logits, TOPK, **k), T * ctx * 4, T, ctx)
+        configs = [dict(block=b, num_warps=w, bits=bits) for b in (2048, 4096) for w in (4, 8, 16)
+                   for bits in (2, 4, 8)]
+        for cfg in configs:  # every variant selects the same entries
+            assert torch.equal(dt.select_topk_triton(logits, TOPK, **cfg), topk_torch()), f"top-k {cfg} disagrees"
+        results += sweep("topk_triton", configs, lambda **k: dt.select_topk_triton(logits, TOPK, **k), T * ctx * 4,
+                         T, ctx)
     topk = topk_torch()
     assert torch.equal(dt.select_topk_triton(logits, TOPK), topk), "top-k kernels disagree"
     if "sparse_mla" not in kernels:
@@ -100,10 +107,9 @@ def sweep_point(dt, T: int, ctx: int, kernels: set[str]) -> list[dict]:
         return dt.sparse_mla_decode_latent(c["query"], c["kv_cache"], c["block_table"], rows if physical else topk,
                                            c["slot_mapping"], 1, L, 192 ** -0.5, physical=physical, **k)
 
-    tiles = [(64, 64, 8, 3), (64, 64, 8, 2), (32, 64, 8, 3), (64, 32, 8, 3), (64, 64, 4, 3), (32, 64, 4, 2),
-             (32, 32, 4, 2)]
-    configs = [dict(block_h=h, block_n=n, num_warps=w, num_stages=ns, physical=ph)
-               for h, n, w, ns in tiles for ph in (False, True)]
+    tiles = [(64, 64, 8, 2), (32, 64, 4, 2), (32, 64, 8, 2)]  # the defaults and the runners-up (cache rows)
+    configs = [dict(block_h=h, block_n=n, num_warps=w, num_stages=ns, physical=True, splits=sp)
+               for h, n, w, ns in tiles for sp in (None, 1, 2, 4, 8, 32)]
     for cfg in configs:  # every variant computes the same output
         try:
             got = mla_fn(**cfg).float()
@@ -114,12 +120,35 @@ def sweep_point(dt, T: int, ctx: int, kernels: set[str]) -> list[dict]:
     return results + sweep("sparse_mla", configs, mla_fn, T * min(ctx, TOPK) * (L + R) * 2, T, ctx)
 
 
+def sweep_per_head(dt, T: int) -> list[dict]:
+    """The per-head projections of the latent (context-free): W_UK absorb and W_UV + gate, by the
+    columns a program computes, each first checked against one program a head. Eight copies of
+    each 12.6 MB weight rotate (100 MB, past the 60 MB L2), as in the layer, where they stream."""
+    g = torch.Generator(device="cuda").manual_seed(T)
+    rn = lambda *s: torch.randn(*s, device="cuda", generator=g).to(torch.bfloat16)  # noqa: E731
+    q, o_lat, gate = rn(T, H, 192), rn(T, H, L), rn(T, H * 128)
+    w_uk, w_uv = rn(8, H, 128, L) * 0.1, rn(8, H, 128, L) * 0.1
+    weights = H * 128 * L * 2
+    results = []
+    for name, fn, knob, full, nbytes in (
+            ("absorb", lambda i, **k: dt.absorb_query(q, w_uk[i % 8], **k), "block_l", L,
+             weights + T * H * (192 + L + R) * 2),
+            ("uv_gate", lambda i, **k: dt.uv_gate(o_lat, w_uv[i % 8], gate, **k), "block_v", 128,
+             weights + T * H * (L + 2 * 128) * 2)):
+        configs = [{knob: c} for c in (full, full // 2, full // 4, full // 8)]
+        ref = fn(0, **configs[0])
+        for cfg in configs[1:]:
+            assert torch.equal(fn(0, **cfg), ref), f"{name} {cfg} differs from one program a head"
+        results += sweep(name, configs, fn, nbytes, T, 0, rotate=True)
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--context", type=int, nargs="+", default=[4096, 32768])
-    ap.add_argument("--kernels", nargs="+", default=["index_logits", "topk", "sparse_mla"],
-                    choices=["index_logits", "topk", "sparse_mla"])
+    ap.add_argument("--kernels", nargs="+", default=["index_logits", "topk", "sparse_mla", "per_head"],
+                    choices=["index_logits", "topk", "sparse_mla", "per_head"])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     from dep_compile.ops import dsa_triton as dt  # noqa: PLC0415 - CUDA only
@@ -128,6 +157,9 @@ def main() -> None:
     for T, ctx in itertools.product(args.tokens, args.context):
         results += sweep_point(dt, T, ctx, set(args.kernels))
         torch.cuda.empty_cache()
+    if "per_head" in args.kernels:
+        for T in args.tokens:
+            results += sweep_per_head(dt, T)
     write_json(os.path.join(args.out, "dsa_kernels.json"), {"results": results})
 
 

@@ -196,9 +196,10 @@ def select_topk_like(r: dict) -> torch.Tensor:
     return out
 
 
+@pytest.mark.parametrize("block_v", [None, 16])  # the default, and 16 value columns a program (several a head)
 @pytest.mark.parametrize("size,T", [(s, t) for s in ("full", "small") for t in (1, 5, 40)
                                     if _DEV != "cpu" or s == "small"])
-def test_uv_gate(size, T):
+def test_uv_gate(size, T, block_v):
     """W_UV + sigmoid(gate) in one launch vs the reference's project_out then the FP32 gate: every
     element within 2^-6 relative (2-4 BF16 ulps: the W_UV rounding and the gate rounding of each
     side may each flip by one ulp; only the FP32 summation order differs)."""
@@ -213,7 +214,7 @@ def test_uv_gate(size, T):
 
     _, w_uv = split_kv_b(kv_b, H, V)
     ref = (project_out(o_lat.float(), w_uv, torch.bfloat16).float() * torch.sigmoid(gate.float())).to(torch.bfloat16)
-    got = dt.uv_gate(o_lat.to(_DEV), w_uv.to(_DEV), gate.to(_DEV)).cpu()
+    got = dt.uv_gate(o_lat.to(_DEV), w_uv.to(_DEV), gate.to(_DEV), **({"block_v": block_v} if block_v else {})).cpu()
     diff = (got.float() - ref.float()).abs()
     worst = float((diff - 2 ** -6 * ref.float().abs()).max())
     assert worst <= 1e-6, f"an element is {worst:.3e} beyond two BF16 ulps"
@@ -243,9 +244,10 @@ def test_latent_insert(size, q_len):
     assert torch.equal(got[:, :, 0], r["kv_pool"][:, :, 0]), "the spare layer was written"
 
 
+@pytest.mark.parametrize("block_l", [None, 16])  # the default, and 16 latent columns a program (several a head)
 @pytest.mark.parametrize("size,T", [(s, t) for s in ("full", "small") for t in (1, 5, 40)
                                     if _DEV != "cpu" or s == "small"])
-def test_absorb_query(size, T):
+def test_absorb_query(size, T, block_l):
     """[q_nope @ W_UK | q_rope] in one launch vs the reference's absorb_query: the latent part
     within one BF16 ulp plus 1e-5 of its largest magnitude (only the FP32 summation order
     differs; a sum that cancels to near 0 can be many of its own ulps off), q_rope bit-exact."""
@@ -259,7 +261,7 @@ def test_absorb_query(size, T):
 
     w_uk, _ = split_kv_b(kv_b, H, nope)
     ref = absorb_query(q, w_uk, nope)
-    got = dt.absorb_query(q.to(_DEV), w_uk.to(_DEV)).cpu()
+    got = dt.absorb_query(q.to(_DEV), w_uk.to(_DEV), **({"block_l": block_l} if block_l else {})).cpu()
     lat, ref_lat = got[..., :L].float(), ref[..., :L].float()
     ulp = torch.exp2(torch.floor(torch.log2(ref_lat.abs().clamp_min(2 ** -126))) - 7)
     excess = float(((lat - ref_lat).abs() - ulp - 1e-5 * ref_lat.abs().max()).max())
@@ -267,13 +269,15 @@ def test_absorb_query(size, T):
     assert torch.equal(got[..., L:], ref[..., L:]), "q_rope not copied exactly"
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])  # radix digit width: 16, 8 or 4 passes
 @pytest.mark.parametrize("block", [64, 4096])  # 64: many chunks a row
 @pytest.mark.parametrize("N,topk", [(40, 16), (300, 16), (5000, 2048), (2000, 2048)]
                          if _DEV != "cpu" else [(40, 16), (300, 16), (700, 64), (50, 64)])
-def test_select_topk_triton(N, topk, block):
+def test_select_topk_triton(N, topk, block, bits):
     """The one-launch radix top-k vs the reference's select_topk row by row, on rows with every
     visibility: none (padding), fewer than topk, more; plus exact ties at the threshold (which
-    must be taken from the lowest positions) and negative, zero and positive logits."""
+    must be taken from the lowest positions) and negative, zero and positive logits; at every
+    digit width."""
     dt = _dt()
     g = torch.Generator().manual_seed(N)
     T = 6
@@ -282,7 +286,7 @@ def test_select_topk_triton(N, topk, block):
     for t, v in enumerate(vis):
         x[t, v:] = float("-inf")
     x[5, :] = torch.randint(-3, 4, (N,), generator=g).float()  # massive ties
-    got = dt.select_topk_triton(x.to(_DEV), topk, block=block).cpu()
+    got = dt.select_topk_triton(x.to(_DEV), topk, block=block, bits=bits).cpu()
     for t, v in enumerate(vis):
         if t == 5:  # ties: the set is {> thr} plus the lowest positions == thr, ascending
             vals = x[t]

@@ -15,15 +15,15 @@ capturable):
   exact, with FP32 accumulation), ReLU, the folded head weights, the key scale. Positions
   after the token's own (and padding tokens) get ``-inf``.
 * :func:`select_rows`: the top-k positions, ascending, -1 padded: :func:`select_topk_triton`
-  (one program a row: radix select on the float bits, then compaction in position order,
-  stored as the latent-cache rows they live in) up to ``TOPK_TRITON_MAX_N`` positions,
-  torch's top-k + sort (positions) beyond.
-* :func:`sparse_mla_decode_latent` (two launches: partials + combine): absorbed MLA decode over
-  each token's selected latent rows (given as cache rows, the sparse loop has no block-table
-  load between the index and the row it gathers), flash-decoding style: the 96 query heads are tiled
-  (``BLOCK_H`` heads per program), the ``topk`` selected entries are split over ``splits``
-  programs so a single token still fills the GPU, each program keeps an online softmax over
-  its entries, and a combine kernel merges the splits into the BF16 latent output.
+  (one program a row: radix select on the float bits, 4 bits a pass, then compaction in
+  position order, stored as the latent-cache rows they live in) up to ``TOPK_TRITON_MAX_N``
+  positions, torch's top-k + sort (positions) beyond.
+* :func:`sparse_mla_decode_latent`: absorbed MLA decode over each token's selected latent rows
+  (given as cache rows, the sparse loop has no block-table load between the index and the row
+  it gathers), flash-decoding style: the 96 query heads are tiled (``BLOCK_H`` heads per
+  program), the ``topk`` selected entries are split over as many programs as fill one wave of
+  SMs, each program keeps an online softmax over its entries, and a combine kernel merges the
+  splits into the BF16 latent output (one launch, no combine, where one split fills the wave).
 * :func:`uv_gate`: W_UV (latent -> 128 per head) and ``* sigmoid(gate)`` in one launch, the
   input of o_proj.
 
@@ -214,39 +214,40 @@ def _sort_key(x):
 
 @triton.jit
 def _topk_kernel(x_ptr, out_ptr, bt_ptr, N, stride_x, stride_out, stride_bt, K: tl.constexpr, KP: tl.constexpr,
-                 BLOCK: tl.constexpr, ROWS: tl.constexpr, Q_LEN: tl.constexpr, BS: tl.constexpr):
+                 BLOCK: tl.constexpr, BITS: tl.constexpr, ROWS: tl.constexpr, Q_LEN: tl.constexpr,
+                 BS: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     row = x_ptr + t * stride_x
     offs = tl.arange(0, BLOCK)
     ninf = _sort_key(tl.full([BLOCK], float("-inf"), tl.float32))
-    # visible entries (> -inf); the selection takes min(K, visible) of them
-    n_vis = 0
-    for c0 in range(0, N, BLOCK):
-        n = c0 + offs
-        key = _sort_key(tl.load(row + n, mask=n < N, other=float("-inf")))
-        n_vis += tl.sum((key > ninf).to(tl.int32), axis=0)
-    want = tl.minimum(n_vis, K)
-    # radix select, 8 bits a pass from the top: thr = the want-th largest key; `need` of the
-    # entries equal to thr are taken (the lowest positions first)
+    # radix select, BITS bits a pass from the top: thr = the want-th largest key, want = min(K,
+    # visible entries (> -inf), counted in the first pass); `need` of the entries equal to thr
+    # are taken (the lowest positions first)
+    NBINS: tl.constexpr = 1 << BITS
+    bins = tl.arange(0, NBINS)
     prefix = tl.zeros([], tl.uint32)
     pmask = tl.zeros([], tl.uint32)
+    want = tl.zeros([], tl.int32)
     need = want
-    bins = tl.arange(0, 512)
-    for p in tl.static_range(4):
-        shift = 24 - 8 * p
-        hist = tl.zeros([512], tl.int32)
+    for p in tl.static_range(32 // BITS):
+        shift = 32 - BITS * (p + 1)
+        hist = tl.zeros([NBINS], tl.int32)
+        n_vis = tl.zeros([], tl.int32)
         for c0 in range(0, N, BLOCK):
             n = c0 + offs
             key = _sort_key(tl.load(row + n, mask=n < N, other=float("-inf")))
             match = (n < N) & ((key & pmask) == prefix)
-            digit = tl.where(match, (key >> shift) & 0xFF, 256).to(tl.int32)  # bin 256+: not counted
-            hist += tl.histogram(digit, 512)
-        hist = tl.where(bins < 256, hist, 0)
-        above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0)  # [512]: matching entries with digit > bin
+            hist += tl.histogram(((key >> shift) & (NBINS - 1)).to(tl.int32), NBINS, mask=match)
+            if p == 0:
+                n_vis += tl.sum((key > ninf).to(tl.int32), axis=0)
+        if p == 0:
+            want = tl.minimum(n_vis, K)
+            need = want
+        above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0)  # [NBINS]: matching entries with digit > bin
         d = tl.sum((above >= need).to(tl.int32), axis=0)  # the digit of the want-th largest
         need -= tl.sum(tl.where(bins == d, above, 0), axis=0)
         prefix = prefix | (d.to(tl.uint32) << shift)
-        pmask = pmask | (tl.full([], 0xFF, tl.uint32) << shift)
+        pmask = pmask | (tl.full([], NBINS - 1, tl.uint32) << shift)
     # compaction in position order: the output is ascending by construction
     done = 0
     eq_seen = 0
@@ -270,28 +271,31 @@ def _topk_kernel(x_ptr, out_ptr, bt_ptr, N, stride_x, stride_out, stride_bt, K: 
     tl.store(out_ptr + t * stride_out + k, tl.full([KP], -1, tl.int32), mask=(k >= done) & (k < K))
 
 
-def select_topk_triton(logits: torch.Tensor, topk: int, *, block: int = 4096, num_warps: int = 8,
+def select_topk_triton(logits: torch.Tensor, topk: int, *, block: int = 4096, num_warps: int = 8, bits: int = 4,
                        rows_of: tuple[torch.Tensor, int, int] | None = None) -> torch.Tensor:
     """:func:`select_topk_positions` in one launch (one program per row): radix select, then the
     selected positions compacted in position order (ascending; ties at the threshold taken from
     the lowest positions). logits: [T, N] FP32 (unit inner stride) -> [T, topk] int32.
 
     ``rows_of = (block_table, q_len, block_size)``: store each selection's latent-cache row
-    (:func:`physical_rows`) instead of its position."""
+    (:func:`physical_rows`) instead of its position. ``bits``: radix digit width (2, 4 or 8;
+    32 / bits passes over the row). Defaults measured (bench_dsa_kernels.py, docs/perf.md): 4-bit
+    digits, 8 warps, 4096-entry chunks: 15.6 µs a row of 4K (8-bit 16.1, 2-bit 21.6; the first
+    kernel, 9-bit digits plus a counting pass, 22.7), 28.5 at 8K."""
     T, N = logits.shape
     out = torch.empty(T, topk, dtype=torch.int32, device=logits.device)
     bt, q_len, bs = rows_of if rows_of is not None else (out, 1, 1)
     if T:
         _topk_kernel[(T,)](logits, out, bt, N, logits.stride(0), out.stride(0), bt.stride(0), K=topk,
                            KP=triton.next_power_of_2(topk), BLOCK=min(block, triton.next_power_of_2(max(N, 16))),
-                           ROWS=rows_of is not None, Q_LEN=int(q_len), BS=int(bs), num_warps=num_warps)
+                           BITS=bits, ROWS=rows_of is not None, Q_LEN=int(q_len), BS=int(bs), num_warps=num_warps)
     return out
 
 
-# Measured (bench_dsa_kernels.py, docs/dsa_kernels_4k_32k.json): the one-program-a-row kernel
-# beats torch's top-k + sort at 4K positions (22.7 vs 48.2 µs) and loses at 32K (158 vs 72-101);
-# the crossover between was not measured: 8K is the assumed switch.
-TOPK_TRITON_MAX_N = 8192
+# Measured (bench_dsa_kernels.py, docs/perf.md): the one-program-a-row kernel beats torch's
+# top-k + sort up to 16K positions (15.6 vs 61-73 µs at 4K, 28.5 vs 77-94 at 8K, 53 vs 106-118
+# at 16K); at 32K it loses at 1 token (104 vs 86) and wins at 64 (104 vs 114): 16K is the switch.
+TOPK_TRITON_MAX_N = 16384
 
 
 def select_rows(logits: torch.Tensor, topk: int, block_table: torch.Tensor, q_len: int,
@@ -315,7 +319,7 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, bt_ptr, idx_ptr, slot_ptr, o_ptr, m_ptr, l
                        stride_o_t, stride_o_s, stride_o_h, stride_ml_t, stride_ml_s, scale,
                        Q_LEN: tl.constexpr, H: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BS: tl.constexpr,
                        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, PHYS: tl.constexpr,
-                       F32: tl.constexpr):
+                       DIRECT: tl.constexpr, F32: tl.constexpr):
     t = tl.program_id(0)
     hb = tl.program_id(1)
     s = tl.program_id(2)
@@ -354,10 +358,14 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, bt_ptr, idx_ptr, slot_ptr, o_ptr, m_ptr, l
         acc = acc * alpha[:, None] + _mm(p.to(tl.bfloat16), k_lat, F32)
         m = m_new
     o_rows = o_ptr + t64 * stride_o_t + s * stride_o_s + h.to(tl.int64)[:, None] * stride_o_h + dl[None, :]
-    tl.store(o_rows, acc, mask=h_ok[:, None])
-    ml = t64 * stride_ml_t + s * stride_ml_s + h
-    tl.store(m_ptr + ml, m, mask=h_ok)
-    tl.store(l_ptr + ml, l_sum, mask=h_ok)
+    if DIRECT:  # one split: the normalized BF16 output itself (no partials, no combine launch)
+        res = tl.where(l_sum[:, None] > 0, acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None], 0.0)
+        tl.store(o_rows, res.to(o_ptr.dtype.element_ty), mask=h_ok[:, None])
+    else:  # FP32 partials and their softmax max / sum, merged by _combine_kernel
+        tl.store(o_rows, acc, mask=h_ok[:, None])
+        ml = t64 * stride_ml_t + s * stride_ml_s + h
+        tl.store(m_ptr + ml, m, mask=h_ok)
+        tl.store(l_ptr + ml, l_sum, mask=h_ok)
 
 
 @triton.jit
@@ -382,11 +390,13 @@ def _combine_kernel(o_ptr, m_ptr, l_ptr, out_ptr, stride_o_t, stride_o_s, stride
 
 
 def _splits(T: int, head_tiles: int, topk: int, block_n: int, sms: int) -> int:
-    """Splits of the top-k entries so that T x head_tiles x splits fills about two waves of SMs."""
+    """Splits of the top-k entries: the fewest (a power of two) with which T x head_tiles x splits
+    programs fill 90 % of one wave of SMs. Measured at 16 and 64 tokens (docs/perf.md): one wave
+    beats two (55 vs 79 µs at 16 tokens, 163 vs 194 at 64): more splits only add partial
+    writes, the combine's reads and per-program prologues."""
     max_splits = max(1, topk // block_n)
-    want = triton.cdiv(2 * sms, max(1, T * head_tiles))
     s = 1
-    while s < want and s * 2 <= max_splits and topk % (s * 2 * block_n) == 0:
+    while T * head_tiles * s < 0.9 * sms and s * 2 <= max_splits and topk % (s * 2 * block_n) == 0:
         s *= 2
     return s
 
@@ -435,7 +445,9 @@ def sparse_mla_decode_latent(query: torch.Tensor, kv_cache: torch.Tensor, block_
     if K % (n_split * block_n):  # each program's entries must be whole blocks of one row
         raise ValueError(f"top-k {K} is not a multiple of splits {n_split} x block_n {block_n}")
     chunk = K // n_split
-    o_part = torch.empty(T, n_split, H, L, dtype=torch.float32, device=query.device)
+    direct = n_split == 1
+    # [T, splits, H, L] FP32 partials (a [T, 1, H, L] view of ``out`` with one split)
+    o_part = out.unsqueeze(1) if direct else torch.empty(T, n_split, H, L, dtype=torch.float32, device=query.device)
     m_part = torch.empty(T, n_split, H, dtype=torch.float32, device=query.device)
     l_part = torch.empty_like(m_part)
     _sparse_mla_kernel[(T, head_tiles, n_split)](
@@ -444,7 +456,9 @@ def sparse_mla_decode_latent(query: torch.Tensor, kv_cache: torch.Tensor, block_
         topk_indices.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2), m_part.stride(0),
         m_part.stride(1), float(scale),
         Q_LEN=int(q_len), H=H, L=L, R=R, BS=kv_cache.shape[1], BLOCK_H=block_h, BLOCK_N=block_n, CHUNK=chunk,
-        PHYS=bool(physical), F32=_INTERPRET, num_warps=num_warps, num_stages=num_stages)
+        PHYS=bool(physical), DIRECT=direct, F32=_INTERPRET, num_warps=num_warps, num_stages=num_stages)
+    if direct:
+        return out
     _combine_kernel[(T, H)](
         o_part, m_part, l_part, out, o_part.stride(0), o_part.stride(1), o_part.stride(2), m_part.stride(0),
         m_part.stride(1), out.stride(0), out.stride(1), SPLITS=n_split, SP=triton.next_power_of_2(n_split), L=L,
@@ -454,23 +468,25 @@ def sparse_mla_decode_latent(query: torch.Tensor, kv_cache: torch.Tensor, block_
 
 @triton.jit
 def _absorb_kernel(q_ptr, w_ptr, out_ptr, T, stride_q_t, stride_q_h, stride_w_h, stride_w_n, stride_out_t,
-                   stride_out_h, NOPE: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BLOCK_T: tl.constexpr,
-                   F32: tl.constexpr):
-    h = tl.program_id(0)
-    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+                   stride_out_h, NOPE: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr,
+                   BLOCK_T: tl.constexpr, F32: tl.constexpr):
+    c = tl.program_id(0)  # BLOCK_L latent columns of the head (the fastest axis: the programs of a head run together)
+    h = tl.program_id(1)
+    t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < T
     t64 = t.to(tl.int64)
     dn = tl.arange(0, NOPE)
-    dl = tl.arange(0, L)
-    dr = tl.arange(0, R)
+    dl = c * BLOCK_L + tl.arange(0, BLOCK_L)
     q_rows = q_ptr + t64[:, None] * stride_q_t + h * stride_q_h
     q_nope = tl.load(q_rows + dn[None, :], mask=t_ok[:, None], other=0.0)  # [BLOCK_T, NOPE]
-    w_uk = tl.load(w_ptr + h * stride_w_h + dn[:, None] * stride_w_n + dl[None, :])  # [NOPE, L]
-    q_lat = _mm(q_nope, w_uk, F32)  # [BLOCK_T, L] FP32
+    w_uk = tl.load(w_ptr + h * stride_w_h + dn[:, None] * stride_w_n + dl[None, :])  # [NOPE, BLOCK_L]
+    q_lat = _mm(q_nope, w_uk, F32)  # [BLOCK_T, BLOCK_L] FP32
     out_rows = out_ptr + t64[:, None] * stride_out_t + h * stride_out_h
     tl.store(out_rows + dl[None, :], q_lat.to(out_ptr.dtype.element_ty), mask=t_ok[:, None])
-    q_rope = tl.load(q_rows + NOPE + dr[None, :], mask=t_ok[:, None], other=0.0)
-    tl.store(out_rows + L + dr[None, :], q_rope, mask=t_ok[:, None])
+    if c == 0:
+        dr = tl.arange(0, R)
+        q_rope = tl.load(q_rows + NOPE + dr[None, :], mask=t_ok[:, None], other=0.0)
+        tl.store(out_rows + L + dr[None, :], q_rope, mask=t_ok[:, None])
 
 
 def _block_t(T: int) -> int:
@@ -478,19 +494,27 @@ def _block_t(T: int) -> int:
     return min(64, max(16, triton.next_power_of_2(T)))
 
 
-def absorb_query(q: torch.Tensor, w_uk: torch.Tensor, *, block_t: int | None = None) -> torch.Tensor:
+def absorb_query(q: torch.Tensor, w_uk: torch.Tensor, *, block_t: int | None = None,
+                 block_l: int = 128) -> torch.Tensor:
     """The absorbed query ``[q_nope @ W_UK | q_rope]``, one launch: q [T, H, nope+R] BF16, w_uk [H, nope, L] -> [T, H, L+R].
 
     FP32 accumulation, the latent part rounded once to BF16 (as the reference's ``absorb_query``).
+    ``block_l`` latent columns a program (a power of two dividing L): 4 programs a head at
+    L = 512, so that H x 4 programs stream W_UK (measured, docs/perf.md: 5.9 vs 7.1 µs at 1
+    token, 8.4 vs 10.8 at 64).
     """
     T, H, NR = q.shape
     nope, L = w_uk.shape[1], w_uk.shape[2]
     out = torch.empty(T, H, L + NR - nope, dtype=q.dtype, device=q.device)
     block_t = block_t or _block_t(T)
+    block_l = min(block_l, L)
+    if L % block_l:
+        raise ValueError(f"block_l {block_l} does not divide the latent width {L}")
     if T:
-        _absorb_kernel[(H, triton.cdiv(T, block_t))](
+        _absorb_kernel[(L // block_l, H, triton.cdiv(T, block_t))](
             q, w_uk, out, T, q.stride(0), q.stride(1), w_uk.stride(0), w_uk.stride(1), out.stride(0), out.stride(1),
-            NOPE=nope, L=L, R=NR - nope, BLOCK_T=block_t, F32=_INTERPRET, num_warps=4 if block_t <= 16 else 8)
+            NOPE=nope, L=L, R=NR - nope, BLOCK_L=block_l, BLOCK_T=block_t, F32=_INTERPRET,
+            num_warps=4 if block_t * block_l <= 16 * 512 else 8)
     return out
 
 
@@ -526,15 +550,17 @@ def latent_insert(kv_a: torch.Tensor, norm_w: torch.Tensor, eps: float, kv_cache
 
 @triton.jit
 def _uv_gate_kernel(o_ptr, w_ptr, g_ptr, out_ptr, T, stride_o_t, stride_o_h, stride_w_h, stride_w_v, stride_g,
-                    stride_out, L: tl.constexpr, V: tl.constexpr, BLOCK_T: tl.constexpr, F32: tl.constexpr):
-    h = tl.program_id(0)
-    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+                    stride_out, L: tl.constexpr, V: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_T: tl.constexpr,
+                    F32: tl.constexpr):
+    c = tl.program_id(0)  # BLOCK_V value columns of the head (the fastest axis: a head's o_lat rows shared in L2)
+    h = tl.program_id(1)
+    t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < T
     t64 = t.to(tl.int64)
     dl = tl.arange(0, L)
-    dv = tl.arange(0, V)
+    dv = c * BLOCK_V + tl.arange(0, BLOCK_V)
     o = tl.load(o_ptr + t64[:, None] * stride_o_t + h * stride_o_h + dl[None, :], mask=t_ok[:, None], other=0.0)
-    w = tl.load(w_ptr + h * stride_w_h + dv[:, None] * stride_w_v + dl[None, :])  # [V, L]
+    w = tl.load(w_ptr + h * stride_w_h + dv[:, None] * stride_w_v + dl[None, :])  # [BLOCK_V, L]
     y = _mm(o, tl.trans(w), F32).to(tl.bfloat16).to(tl.float32)  # W_UV output, BF16 as stock's
     col = h * V + dv
     gate = tl.load(g_ptr + t64[:, None] * stride_g + col[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
@@ -542,21 +568,29 @@ def _uv_gate_kernel(o_ptr, w_ptr, g_ptr, out_ptr, T, stride_o_t, stride_o_h, str
     tl.store(out_ptr + t64[:, None] * stride_out + col[None, :], y.to(out_ptr.dtype.element_ty), mask=t_ok[:, None])
 
 
-def uv_gate(o_lat: torch.Tensor, w_uv: torch.Tensor, gate: torch.Tensor, *, block_t: int | None = None) -> torch.Tensor:
+def uv_gate(o_lat: torch.Tensor, w_uv: torch.Tensor, gate: torch.Tensor, *, block_t: int | None = None,
+            block_v: int | None = None) -> torch.Tensor:
     """W_UV then ``* sigmoid(gate)``, one launch: o_lat [T, H, L] BF16, w_uv [H, v, L], gate [T, H*v] -> [T, H*v] BF16.
 
     The W_UV product is rounded to BF16 before the gate (as stock's two steps round), the gate
-    product in FP32, rounded once.
+    product in FP32, rounded once. ``block_v`` value columns a program (a power of two dividing
+    v); default, measured at v = 128 (docs/perf.md): 32 below 16 tokens (4 programs a head
+    stream W_UV: 6.9 vs 7.8 µs at 1 token), all 128 from 16 (each program then re-reads its
+    head's o_lat rows per column block: 9.4 vs 14.1 µs at 64 tokens).
     """
     T, H, L = o_lat.shape
     V = w_uv.shape[1]
     out = torch.empty(T, H * V, dtype=o_lat.dtype, device=o_lat.device)
     block_t = block_t or _block_t(T)
+    block_v = min(block_v or (32 if T < 16 else V), V)
+    if V % block_v:
+        raise ValueError(f"block_v {block_v} does not divide the value width {V}")
     if T == 0:
         return out
-    _uv_gate_kernel[(H, triton.cdiv(T, block_t))](
+    _uv_gate_kernel[(V // block_v, H, triton.cdiv(T, block_t))](
         o_lat, w_uv, gate, out, T, o_lat.stride(0), o_lat.stride(1), w_uv.stride(0), w_uv.stride(1), gate.stride(0),
-        out.stride(0), L=L, V=V, BLOCK_T=block_t, F32=_INTERPRET, num_warps=4 if block_t <= 16 else 8)
+        out.stride(0), L=L, V=V, BLOCK_V=block_v, BLOCK_T=block_t, F32=_INTERPRET,
+        num_warps=4 if block_t * block_v <= 16 * 128 else 8)
     return out
 
 
