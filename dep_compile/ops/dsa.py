@@ -72,12 +72,14 @@ class PreparedDsa:
                     q_len: int) -> Tensor:
         """The same on the Triton kernels (``dsa_triton``): [T, H*v] BF16 (gated).
 
-        main: q_a norm -+-> q_b GEMM -> latent insert -> W_UK absorb ---> sparse MLA -> W_UV + gate
-        side:           +-> wq_b GEMM -> key insert -> logits -> top-k --^
+        main: q_a norm -+-> key insert -+-> q_b GEMM -> latent insert -> W_UK absorb ---> sparse MLA -> W_UV + gate
+        side:           +-> wq_b GEMM --+-> logits -> top-k --------------------------^
         The indexer chain (small, latency-bound kernels) runs on a side stream beside the
-        weight-bound q_b GEMM; events order the streams (graph-capturable: fork from and join
-        to the capturing stream); tensors crossing streams are recorded on the stream that
-        reads them. The sparse MLA is a split-KV kernel over the selected latents.
+        weight-bound q_b GEMM; the key insert, which needs no query, runs on the main stream
+        beside the wq_b GEMM (the indexer chain is the longer one: docs/perf.md). Events order
+        the streams (graph-capturable: fork from and join to the capturing stream); tensors
+        crossing streams are recorded on the stream that reads them. The sparse MLA is a
+        split-KV kernel over the selected latents.
         """
         from .dsa_triton import (absorb_query, index_key_insert, index_logits, latent_insert, select_rows,
                                  sparse_mla_decode_latent, uv_gate)
@@ -87,19 +89,21 @@ class PreparedDsa:
         main = torch.cuda.current_stream()
         side = side_stream(q_a.device)
         q_a = rms_norm_fused(q_a, q_a_norm_w, self.q_a_eps)
-        forked = torch.cuda.Event()
+        forked, inserted = torch.cuda.Event(), torch.cuda.Event()
         forked.record(main)
+        index_key_insert(k_idx, k_norm_w, k_norm_b, self.k_norm_eps, index_cache, index_scale, slot_mapping)
+        inserted.record(main)
         with torch.cuda.stream(side):
             side.wait_event(forked)
             q_idx = F.linear(q_a, wq_b_w).view(T, self.index_heads, self.index_dim)
-            index_key_insert(k_idx, k_norm_w, k_norm_b, self.k_norm_eps, index_cache, index_scale, slot_mapping)
+            side.wait_event(inserted)
             logits = index_logits(q_idx, w_idx, index_cache, index_scale, block_table, seq_lens, slot_mapping,
                                   q_len)
             # [T, topk] int32 selected positions (ascending), -1 padded, or the cache rows they live in
             topk, physical = select_rows(logits, self.topk, block_table, q_len, kv_cache.shape[1])
             selected = torch.cuda.Event()
             selected.record(side)
-        for t in (q_a, k_idx, w_idx):
+        for t in (q_a, w_idx):
             t.record_stream(side)
         q = F.linear(q_a, q_b_w).view(T, self.heads, self.nope + self.rope)
         latent_insert(kv_a, kv_a_norm_w, self.kv_a_eps, kv_cache, slot_mapping)
