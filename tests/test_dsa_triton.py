@@ -286,6 +286,7 @@ def test_select_topk_triton(N, topk, block, bits):
     for t, v in enumerate(vis):
         x[t, v:] = float("-inf")
     x[5, :] = torch.randint(-3, 4, (N,), generator=g).float()  # massive ties
+    x[5, ::3] *= -1  # exact zeros of both signs: -0.0 ties with +0.0, as in torch
     got = dt.select_topk_triton(x.to(_DEV), topk, block=block, bits=bits).cpu()
     for t, v in enumerate(vis):
         if t == 5:  # ties: the set is {> thr} plus the lowest positions == thr, ascending
@@ -298,6 +299,14 @@ def test_select_topk_triton(N, topk, block, bits):
         else:
             want = select_topk(x[t, :v], topk)
         assert torch.equal(got[t], want), f"row {t} (visible {v})"
+
+
+def test_select_topk_triton_rejects_partial_digits():
+    """A digit width that does not divide 32 would leave low key bits unresolved (more than
+    topk entries taken): refused before launch."""
+    dt = _dt()
+    with pytest.raises(ValueError, match="digit width 3"):
+        dt.select_topk_triton(torch.zeros(1, 8, device=_DEV), 2, bits=3)
 
 
 @pytest.mark.parametrize("splits", [1, 2, 4])
@@ -344,10 +353,12 @@ def test_select_rows_dispatch(extra):
         assert torch.equal(got[t].cpu(), want), f"row {t}"
 
 
+@pytest.mark.parametrize("splits", [None, 1])  # 1: the normalized BF16 output written directly (no combine)
 @pytest.mark.parametrize("q_len", [2, 6])  # 6 and 18 tokens: both sides of the 16-token tile switch
-def test_sparse_mla_latent_rows(q_len):
+def test_sparse_mla_latent_rows(q_len, splits):
     """Cache rows (``physical_rows``) given instead of positions: the same output as the
-    reference; tolerances as test_sparse_mla_latent."""
+    reference, with the default splits and with one split (the path taken from ~60 tokens at
+    full size: two 64-head tiles, the second half masked); tolerances as test_sparse_mla_latent."""
     dt = _dt()
     size = "full" if _DEV != "cpu" else "small64"
     c = make_case(size, q_len, seed=11, device=_DEV)
@@ -355,7 +366,8 @@ def test_sparse_mla_latent_rows(q_len):
     topk = select_topk_like(r)
     rows = dt.physical_rows(topk.to(_DEV), c["block_table"], q_len, c["kv_cache"].shape[1])
     got = dt.sparse_mla_decode_latent(c["query"], c["kv_cache"], c["block_table"], rows, c["slot_mapping"], q_len,
-                                      c["L"], c["scale"], block_n=min(64, c["topk"] // 2), physical=True).float().cpu()
+                                      c["L"], c["scale"], block_n=min(64, c["topk"] // 2), physical=True,
+                                      splits=splits).float().cpu()
     ref = ref_sparse_latent(r, topk)
     assert (got[r["slot_mapping"] < 0] == 0).all(), "padding tokens must be 0"
     rel = float((got - ref).norm() / ref.norm())

@@ -206,8 +206,9 @@ def index_logits(q_idx: torch.Tensor, weights: torch.Tensor, index_cache: torch.
 
 @triton.jit
 def _sort_key(x):
-    """Order-preserving uint32 key of an FP32 value (-inf lowest of the non-NaN values)."""
-    b = x.to(tl.uint32, bitcast=True)
+    """Order-preserving uint32 key of an FP32 value (-inf lowest of the non-NaN values; -0.0 and
+    +0.0 one key, equal as torch compares them)."""
+    b = tl.where(x == 0.0, 0.0, x).to(tl.uint32, bitcast=True)
     flip = tl.where((b >> 31) != 0, 0xFFFFFFFF, 0x80000000).to(tl.uint32)
     return b ^ flip
 
@@ -278,10 +279,12 @@ def select_topk_triton(logits: torch.Tensor, topk: int, *, block: int = 4096, nu
     the lowest positions). logits: [T, N] FP32 (unit inner stride) -> [T, topk] int32.
 
     ``rows_of = (block_table, q_len, block_size)``: store each selection's latent-cache row
-    (:func:`physical_rows`) instead of its position. ``bits``: radix digit width (2, 4 or 8;
-    32 / bits passes over the row). Defaults measured (bench_dsa_kernels.py, docs/perf.md): 4-bit
+    (:func:`physical_rows`) instead of its position. ``bits``: radix digit width (1, 2, 4 or 8:
+    32 / bits passes over the row, then one to compact). Defaults measured (bench_dsa_kernels.py, docs/perf.md): 4-bit
     digits, 8 warps, 4096-entry chunks: 15.6 µs a row of 4K (8-bit 16.1, 2-bit 21.6; the first
     kernel, 9-bit digits plus a counting pass, 22.7), 28.5 at 8K."""
+    if bits not in (1, 2, 4, 8):  # the passes must resolve all 32 key bits
+        raise ValueError(f"radix digit width {bits} is not 1, 2, 4 or 8")
     T, N = logits.shape
     out = torch.empty(T, topk, dtype=torch.int32, device=logits.device)
     bt, q_len, bs = rows_of if rows_of is not None else (out, 1, 1)
@@ -446,10 +449,12 @@ def sparse_mla_decode_latent(query: torch.Tensor, kv_cache: torch.Tensor, block_
         raise ValueError(f"top-k {K} is not a multiple of splits {n_split} x block_n {block_n}")
     chunk = K // n_split
     direct = n_split == 1
-    # [T, splits, H, L] FP32 partials (a [T, 1, H, L] view of ``out`` with one split)
-    o_part = out.unsqueeze(1) if direct else torch.empty(T, n_split, H, L, dtype=torch.float32, device=query.device)
-    m_part = torch.empty(T, n_split, H, dtype=torch.float32, device=query.device)
-    l_part = torch.empty_like(m_part)
+    if direct:  # the kernel writes the BF16 output itself, through a [T, 1, H, L] view (m, l unused)
+        o_part, m_part, l_part = out.unsqueeze(1), out, out
+    else:  # [T, splits, H, L] FP32 partials, their [T, splits, H] softmax max and sum
+        o_part = torch.empty(T, n_split, H, L, dtype=torch.float32, device=query.device)
+        m_part = torch.empty(T, n_split, H, dtype=torch.float32, device=query.device)
+        l_part = torch.empty_like(m_part)
     _sparse_mla_kernel[(T, head_tiles, n_split)](
         query, kv_cache, block_table, topk_indices, slot_mapping, o_part, m_part, l_part,
         query.stride(0), query.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
