@@ -87,16 +87,16 @@ def sweep_point(dt, T: int, ctx: int, kernels: set[str]) -> list[dict]:
                          logits_fn, key_bytes, T, ctx)
     logits = logits_fn()
     topk_torch = lambda: dt.select_topk_positions(logits, TOPK)  # noqa: E731
+    topk = topk_torch()
+    assert torch.equal(dt.select_topk_triton(logits, TOPK), topk), "top-k kernels disagree"
     if "topk" in kernels:
         results += sweep("topk_torch", [{}], topk_torch, T * ctx * 4, T, ctx)
         configs = [dict(block=b, num_warps=w, bits=bits) for b in (2048, 4096) for w in (4, 8, 16)
                    for bits in (2, 4, 8)]
         for cfg in configs:  # every variant selects the same entries
-            assert torch.equal(dt.select_topk_triton(logits, TOPK, **cfg), topk_torch()), f"top-k {cfg} disagrees"
+            assert torch.equal(dt.select_topk_triton(logits, TOPK, **cfg), topk), f"top-k {cfg} disagrees"
         results += sweep("topk_triton", configs, lambda **k: dt.select_topk_triton(logits, TOPK, **k), T * ctx * 4,
                          T, ctx)
-    topk = topk_torch()
-    assert torch.equal(dt.select_topk_triton(logits, TOPK), topk), "top-k kernels disagree"
     if "sparse_mla" not in kernels:
         return results
     rows = dt.physical_rows(topk, c["block_table"], 1, BS)

@@ -3,7 +3,8 @@
 Each case builds one DSA step on random data (never zeros): paged latent and FP8 index caches
 as strided views into pools (a spare layer interleaved in every block), requests whose context
 is shorter than top-k (select everything) and longer (select a subset), q_len 1, 3 or 6 (3 to
-18 tokens: both sides of the kernels' 16-token tile switch), one padding token (slot -1). The references in ``dep_compile.stock.reference.dsa`` run on CPU copies.
+18 tokens: both sides of the kernels' 16-token tile switch), one padding token (slot -1). The
+references in ``dep_compile.stock.reference.dsa`` run on CPU copies.
 
 Checks and tolerances:
 

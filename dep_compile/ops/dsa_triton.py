@@ -280,9 +280,9 @@ def select_topk_triton(logits: torch.Tensor, topk: int, *, block: int = 4096, nu
 
     ``rows_of = (block_table, q_len, block_size)``: store each selection's latent-cache row
     (:func:`physical_rows`) instead of its position. ``bits``: radix digit width (1, 2, 4 or 8:
-    32 / bits passes over the row, then one to compact). Defaults measured (bench_dsa_kernels.py, docs/perf.md): 4-bit
-    digits, 8 warps, 4096-entry chunks: 15.6 µs a row of 4K (8-bit 16.1, 2-bit 21.6; the first
-    kernel, 9-bit digits plus a counting pass, 22.7), 28.5 at 8K."""
+    32 / bits passes over the row, then one to compact). Defaults measured (bench_dsa_kernels.py,
+    docs/perf.md): 4-bit digits, 8 warps, 4096-entry chunks: 15.6 µs a row of 4K (8-bit 16.1,
+    2-bit 21.6; the first kernel, 9-bit digits plus a counting pass, 22.7), 28.5 at 8K."""
     if bits not in (1, 2, 4, 8):  # the passes must resolve all 32 key bits
         raise ValueError(f"radix digit width {bits} is not 1, 2, 4 or 8")
     T, N = logits.shape

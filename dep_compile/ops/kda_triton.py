@@ -282,7 +282,7 @@ def kda_decode_unsupported(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_b
 
 def kda_decode_core(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_bias, o_norm_w, conv_state, rec_state,
                     state_indices, accepted, q_len: int, lower_bound: float, norm_eps: float, *,
-                    num_warps: int = 4, fb: int | None = None, maxnreg: int | None = None,
+                    num_warps: int = 4, fb: int = 32, maxnreg: int | None = None,
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """The KDA core of one decode / verify step in one launch; mutates ``conv_state`` and ``rec_state``.
 
@@ -296,8 +296,8 @@ def kda_decode_core(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_bias, o_
 
     Tuning (measured on the H200, docs/perf_kda.md): ``num_warps`` per program (4 is 1.2-1.8x
     faster than 8; the head's 128 x 128 FP32 state is then 128 registers a thread); ``fb``
-    columns of ``f_b_w`` per step of the F_B mat-vec, a power of two (default 32: 1-3 % faster
-    than 64 at decode, 1-64 requests, on Triton 3.6; verify steps keep more registers live);
+    columns of ``f_b_w`` per step of the F_B mat-vec, a power of two (32: 1-3 % faster than
+    64 at decode, 1-64 requests, on Triton 3.6; verify steps too);
     ``maxnreg`` an optional register cap (more programs per SM, at the price of spills).
     """
     T, HD = q.shape
@@ -321,7 +321,7 @@ def kda_decode_core(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_bias, o_
         out.stride(0),
         float(lower_bound), float(norm_eps),
         H=H, D=D, F=F, W=W, WP=triton.next_power_of_2(W), Q_LEN=int(q_len),
-        ST_V=rec_state.stride(2), ST_K=rec_state.stride(3), FB=min(F, fb or 32),
+        ST_V=rec_state.stride(2), ST_K=rec_state.stride(3), FB=min(F, fb),
         num_warps=num_warps,
         **({"maxnreg": int(maxnreg)} if maxnreg else {}),
     )
