@@ -91,8 +91,10 @@ def sweep_point(dt, T: int, ctx: int, kernels: set[str]) -> list[dict]:
     assert torch.equal(dt.select_topk_triton(logits, TOPK), topk), "top-k kernels disagree"
     if "topk" in kernels:
         results += sweep("topk_torch", [{}], topk_torch, T * ctx * 4, T, ctx)
-        configs = [dict(block=b, num_warps=w, bits=bits) for b in (2048, 4096) for w in (4, 8, 16)
-                   for bits in (2, 4, 8)]
+        # 4096-entry chunks re-read every pass, or the whole row held in registers (block >= row)
+        resident = max(4096, 1 << (ctx - 1).bit_length())
+        configs = [dict(block=b, num_warps=w, bits=bits) for b in sorted({4096, resident}) for w in (8, 16, 32)
+                   for bits in (4, 8)]
         for cfg in configs:  # every variant selects the same entries
             assert torch.equal(dt.select_topk_triton(logits, TOPK, **cfg), topk), f"top-k {cfg} disagrees"
         results += sweep("topk_triton", configs, lambda **k: dt.select_topk_triton(logits, TOPK, **k), T * ctx * 4,
