@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from . import tactics
+from .ops.sparse_mla import SPARSE_MLA_KERNELS
 
 KINDS = ("dsa", "kda", "moe")
 DEP_KINDS = KINDS  # kinds rewritten by default; MLA is never rewritten
@@ -31,6 +32,7 @@ class DepOptions:
     batches: tuple[int, ...] = DEFAULT_BATCHES
     max_q: int = MAX_VERIFY_Q
     moe_top_k: int = 16
+    sparse_mla: str = "auto"
     dump_dir: str | None = None
     inductor: bool = True
     inductor_config: dict = dataclasses.field(default_factory=dict)
@@ -43,6 +45,7 @@ class DepOptions:
         "batches": "the batch sizes ('wide') the report lists tactics for",
         "max_q": "largest verify q (tokens per request) rewritten; larger steps are prefill-shaped",
         "moe_top_k": "the routed top-k a MoE must have to be rewritten (K3: 16)",
+        "sparse_mla": "DSA sparse-MLA kernel: 'auto' (FlashInfer where it runs, else Triton), 'triton', 'flashinfer'",
         "dump_dir": "write graphs, match reports and near misses here (or $DEP_COMPILE_DUMP_DIR)",
         "inductor": "False: return the rewritten graph without Inductor (pattern-only mode)",
         "inductor_config": "Inductor config patches passed to compile_fx",
@@ -91,6 +94,8 @@ class DepOptions:
             raise self._bad("dump_dir", self.dump_dir)
         if not isinstance(self.inductor_config, dict):
             raise self._bad("inductor_config", self.inductor_config)
+        if self.sparse_mla not in SPARSE_MLA_KERNELS:
+            raise self._bad("sparse_mla", self.sparse_mla)
 
     def fingerprint(self) -> str:
         """A stable text of every option that changes the rewritten graph (for uuid())."""

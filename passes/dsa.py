@@ -135,7 +135,7 @@ class DsaPass(LayerPass):
             index_dim=Di, topk=int(ia["topk"]), scale=float(a["scale"]), q_a_eps=q_a_eps, kv_a_eps=kv_a_eps,
             k_norm_eps=k_eps,
             projection=DepProjection("dsa_qkv_a_g_index", opts.projection_tables["dsa_qkv_a_g_index"]),
-            o_proj=DepProjection("o_proj", opts.oproj_table),
+            o_proj=DepProjection("o_proj", opts.oproj_table), sparse_mla=opts.sparse_mla,
         )
         require(sum(prepared.split_sizes) == sum(ctx.param(w, "packed weight").shape[0] for w in pack),
                 "packed rows do not add up to q_a | kv_a | gate | wk | wv", fused)

@@ -89,8 +89,8 @@ def test_registered_once_under_its_name():
 # Options
 # ---------------------------------------------------------------------------------------------
 
-VALID = ["kinds", "projection_tables", "oproj_table", "front_max", "batches", "max_q", "moe_top_k", "dump_dir",
-         "verify", "inductor", "inductor_config"]
+VALID = ["kinds", "projection_tables", "oproj_table", "front_max", "batches", "max_q", "moe_top_k", "sparse_mla",
+         "dump_dir", "verify", "inductor", "inductor_config"]
 
 
 def test_unknown_option_names_it_and_lists_valid_ones():
@@ -119,7 +119,7 @@ def test_unknown_option_through_torch_compile():
 @pytest.mark.parametrize("name, value", [
     ("kinds", ("mla",)), ("kinds", "dsa"), ("kinds", ("dsa", "kda", "moe", "mla")),
     ("front_max", 0), ("front_max", -3), ("front_max", True), ("front_max", 2.0),
-    ("max_q", "x"), ("max_q", 0), ("moe_top_k", None),
+    ("max_q", "x"), ("max_q", 0), ("moe_top_k", None), ("sparse_mla", "flashmla"),
     ("batches", (1, 0)), ("batches", (1, "2")),
     ("verify", 1), ("inductor", "no"), ("inductor_config", [("max_autotune", True)]),
     ("dump_dir", 3),

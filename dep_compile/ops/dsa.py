@@ -36,6 +36,7 @@ class PreparedDsa:
     k_norm_eps: float
     projection: DepProjection
     o_proj: DepProjection
+    sparse_mla: str = "auto"  # the sparse-MLA kernel: "auto" | "triton" | "flashinfer" (ops.sparse_mla)
 
     @property
     def split_sizes(self) -> list[int]:
@@ -79,11 +80,12 @@ class PreparedDsa:
         beside the wq_b GEMM (the indexer chain is the longer one: docs/perf.md). Events order
         the streams (graph-capturable: fork from and join to the capturing stream); tensors
         crossing streams are recorded on the stream that reads them. The sparse MLA is a
-        split-KV kernel over the selected latents.
+        split-KV kernel over the selected latents, or FlashInfer's where it runs (ops.sparse_mla).
         """
-        from .dsa_triton import (absorb_query, index_key_insert, index_logits, latent_insert, select_rows,
-                                 sparse_mla_decode_latent, uv_gate)
+        from .dsa_triton import (absorb_query, index_key_insert, index_logits, latent_insert, physical_rows,
+                                 select_rows, sparse_mla_decode_latent, uv_gate)
         from .norm_triton import rms_norm_fused
+        from .sparse_mla import choose_sparse_mla, flashinfer_sparse_mla
 
         T = q_a.shape[0]
         main = torch.cuda.current_stream()
@@ -111,9 +113,15 @@ class PreparedDsa:
         query = absorb_query(q, w_uk)  # [T, H, L+R] BF16
         main.wait_event(selected)
         topk.record_stream(main)
-        o_lat = sparse_mla_decode_latent(query, kv_cache, block_table, topk, slot_mapping, q_len, self.kv_lora,
-                                         self.scale, block_n=min(64, self.topk), physical=physical)  # [T, H, L] BF16
-        return uv_gate(o_lat, w_uv, gate)
+        if choose_sparse_mla(self.sparse_mla, kv_cache, heads=self.heads, kv_lora=self.kv_lora,
+                             nope=self.nope) == "flashinfer":
+            rows = topk if physical else physical_rows(topk, block_table, q_len, kv_cache.shape[1])
+            o_lat = flashinfer_sparse_mla(query, kv_cache, rows, slot_mapping, kv_lora=self.kv_lora, nope=self.nope,
+                                          scale=self.scale)
+        else:
+            o_lat = sparse_mla_decode_latent(query, kv_cache, block_table, topk, slot_mapping, q_len, self.kv_lora,
+                                             self.scale, block_n=min(64, self.topk), physical=physical)
+        return uv_gate(o_lat, w_uv, gate)  # o_lat: [T, H, L] BF16
 
     def runs_triton(self, kv_cache: Tensor, index_cache: Tensor) -> bool:
         """Whether this step runs the Triton kernels: on CUDA, unless a shape they do not support
