@@ -112,6 +112,9 @@ def sweep_point(dt, T: int, ctx: int, kernels: set[str]) -> list[dict]:
     tiles = [(64, 64, 8, 2), (32, 64, 4, 2), (32, 64, 8, 2)]  # the defaults and the runners-up (cache rows)
     configs = [dict(block_h=h, block_n=n, num_warps=w, num_stages=ns, physical=True, splits=sp)
                for h, n, w, ns in tiles for sp in (None, 1, 2, 4, 8, 32)]
+    # shorter steps over the selected rows, deeper load pipelines (default splits)
+    configs += [dict(block_h=h, block_n=n, num_warps=w, num_stages=ns, physical=True)
+                for h, n, w, ns in ((64, 32, 8, 2), (64, 32, 8, 3), (64, 32, 8, 4), (64, 64, 8, 3), (32, 32, 4, 3))]
     for cfg in configs:  # every variant computes the same output
         try:
             got = mla_fn(**cfg).float()

@@ -176,9 +176,11 @@ def index_logits(q_idx: torch.Tensor, weights: torch.Tensor, index_cache: torch.
     index_cache: [NB, BS, Di] FP8 e4m3; index_scale: [NB, BS] FP32; block_table: [B, MB];
     seq_lens: [B] including this step's tokens; slot_mapping: [T]. Entries a token does not
     see (later positions, padding tokens) are ``-inf``. ``steps`` key blocks a program (default:
-    as many as keep two waves of programs); ``num_warps`` default: 8 below 16 tokens, 4 from 16
-    (measured best at 1 token: 4.7 vs 5.0 µs, and at 64 tokens x 32K: 147 vs 168 µs; the switch
-    at 16 is not measured; docs/perf.md).
+    one per program up to 8 x SMs (request, block) pairs, then as many as keep 8 x SMs programs,
+    at most 16: at 64 tokens x 4K one (22.3 µs; 7, the old two-waves rule, lies between 4 and 16:
+    23.1 and 32.3), at 64 x 32K 15 (16: 147.6; 1: 161.5)); ``num_warps`` default: 8 below 16
+    tokens, 4 from 16 (measured best at 1 token: 4.7 vs 5.0 µs, and at 64 tokens x 32K: 147 vs
+    168 µs; the switch at 16 is not measured; docs/perf.md).
     """
     T, Hi, Di = q_idx.shape
     num_warps = num_warps or (8 if T < 16 else 4)
@@ -191,7 +193,7 @@ def index_logits(q_idx: torch.Tensor, weights: torch.Tensor, index_cache: torch.
     qp = max(triton.next_power_of_2(q_len), triton.cdiv(16, Hi))  # tl.dot needs >= 16 query rows
     blocks = triton.cdiv(N, block_n)
     if steps is None:  # several key blocks a program (queries quantized once) while the grid fills the GPU
-        steps = max(1, min(16, B * blocks // (2 * _sm_count(q_idx))))
+        steps = max(1, min(16, B * blocks // (8 * _sm_count(q_idx))))
     steps = max(1, min(steps, blocks))
     grid = (B, triton.cdiv(N, block_n * steps))
     _index_logits_kernel[grid](
