@@ -45,7 +45,8 @@ class DepOptions:
         "batches": "the batch sizes ('wide') the report lists tactics for",
         "max_q": "largest verify q (tokens per request) rewritten; larger steps are prefill-shaped",
         "moe_top_k": "the routed top-k a MoE must have to be rewritten (K3: 16)",
-        "sparse_mla": "DSA sparse-MLA kernel: 'auto' (FlashInfer where it runs, else Triton), 'triton', 'flashinfer'",
+        "sparse_mla": "DSA sparse-MLA kernel: 'auto' (FlashInfer where it runs, else Triton), 'triton', 'flashinfer'"
+                      " (a compile error where it cannot run)",
         "dump_dir": "write graphs, match reports and near misses here (or $DEP_COMPILE_DUMP_DIR)",
         "inductor": "False: return the rewritten graph without Inductor (pattern-only mode)",
         "inductor_config": "Inductor config patches passed to compile_fx",

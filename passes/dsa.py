@@ -10,6 +10,7 @@ import torch
 from dep_compile.ops.dsa import PreparedDsa
 from dep_compile.ops.projection import DepProjection
 from dep_compile.ops.registry import register
+from dep_compile.ops.sparse_mla import reserve_sparse_mla
 
 from .base import Found, LayerPass, PassContext, check_bf16, check_only_user, check_q_len
 from .fx_match import (as_linear, is_call, is_view, match_layer_norm, match_rms_norm, op_args, producer, require,
@@ -139,6 +140,8 @@ class DsaPass(LayerPass):
         )
         require(sum(prepared.split_sizes) == sum(ctx.param(w, "packed weight").shape[0] for w in pack),
                 "packed rows do not add up to q_a | kv_a | gate | wk | wv", fused)
+        # the sparse-MLA kernel, chosen (and FlashInfer's workspace allocated) now, outside any graph
+        reserve_sparse_mla(opts.sparse_mla, val(a["kv_cache"]), heads=H, kv_lora=kv_lora, nope=nope)
         key = register(found.module, prepared)
         region = ctx.verified_region(x, o_user, region)
         packed = ctx.pack(pack, "DSA projection")

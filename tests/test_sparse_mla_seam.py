@@ -156,16 +156,49 @@ def test_flashinfer_adapter_matches_reference(flashinfer, q_len):
         assert err <= 1e-2, f"token {t}: max abs {err:.2e}"
 
 
+def test_empty_step_calls_nothing(flashinfer):
+    q = torch.empty(0, H, L + R, dtype=torch.bfloat16)
+    rows = torch.empty(0, TOPK, dtype=torch.int32)
+    got = sm.flashinfer_sparse_mla(q, _cache(), rows, torch.empty(0, dtype=torch.int64), kv_lora=L, nope=NOPE,
+                                   scale=0.1)
+    assert got.shape == (0, H, L) and flashinfer == []
+
+
+def _compiled_step(option: str):
+    return run_pair(preset("k31-small"), options={"sparse_mla": option}, steps=1, batch=2)
+
+
 def test_option_reaches_the_prepared_layer(monkeypatch):
     """``options={"sparse_mla": ...}`` is checked, and lands on every rewritten DSA layer."""
     assert DepOptions.from_dict({}).sparse_mla == "auto"
     with pytest.raises(ValueError, match="sparse_mla"):
         DepOptions.from_dict({"sparse_mla": "flashmla"})
     monkeypatch.setattr(registry, "_PREPARED", {})
-    r = run_pair(preset("k31-small"), options={"sparse_mla": "flashinfer"}, steps=1, batch=2)
+    r = _compiled_step("triton")
     dsa = [p for p in registry._PREPARED.values() if isinstance(p, PreparedDsa)]
-    assert dsa and all(p.sparse_mla == "flashinfer" for p in dsa), dsa
-    assert r.logits_err == 0  # on CPU the stock ops' torch code runs: the option changes nothing there
+    assert dsa and all(p.sparse_mla == "triton" for p in dsa), dsa
+    assert r.logits_err == 0
+
+
+def test_pass_chooses_and_reserves_the_workspace(flashinfer, monkeypatch):
+    """The rewrite picks the kernel and allocates FlashInfer's workspace then (never inside a
+    step, which may be a CUDA-graph warm-up or capture); forcing FlashInfer where it cannot run
+    fails the compile with the reason."""
+    real = sm.flashinfer_unsupported
+    monkeypatch.setattr(sm, "flashinfer_unsupported", lambda c, **k: None)  # as on an SM100 at full size
+    _compiled_step("auto")  # on CPU the step itself runs the stock ops' torch code
+    assert set(sm._CHOSEN.values()) == {"flashinfer"}
+    ws = sm._WORKSPACE[torch.device("cpu")]
+    assert ws.dtype == torch.uint8 and ws.numel() == sm.FLASHINFER_WORKSPACE_BYTES and not ws.any()
+    monkeypatch.setattr(sm, "flashinfer_unsupported", real)
+    monkeypatch.setattr(sm, "_CHOSEN", {})
+    with pytest.raises(Exception) as e:
+        _compiled_step("flashinfer")
+    chain, err = [], e.value
+    while err is not None:
+        chain.append(err)
+        err = err.__cause__ or err.__context__
+    assert any(isinstance(c, RuntimeError) and "cannot run on cpu: not on CUDA" in str(c) for c in chain), chain
 
 
 @pytest.mark.cuda

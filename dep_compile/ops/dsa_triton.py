@@ -176,9 +176,9 @@ def index_logits(q_idx: torch.Tensor, weights: torch.Tensor, index_cache: torch.
     index_cache: [NB, BS, Di] FP8 e4m3; index_scale: [NB, BS] FP32; block_table: [B, MB];
     seq_lens: [B] including this step's tokens; slot_mapping: [T]. Entries a token does not
     see (later positions, padding tokens) are ``-inf``. ``steps`` key blocks a program (default:
-    one per program up to 8 x SMs (request, block) pairs, then as many as keep 8 x SMs programs,
-    at most 16: at 64 tokens x 4K one (22.3 µs; 7, the old two-waves rule, lies between 4 and 16:
-    23.1 and 32.3), at 64 x 32K 15 (16: 147.6; 1: 161.5)); ``num_warps`` default: 8 below 16
+    (request, block) pairs // (8 x SMs), between 1 and 16: at 64 tokens x 4K one (22.3 µs; 7, the
+    old two-waves rule, lies between 4 and 16: 23.1 and 32.3), at 64 x 32K 15 (16: 147.6; 1:
+    161.5)); ``num_warps`` default: 8 below 16
     tokens, 4 from 16 (measured best at 1 token: 4.7 vs 5.0 µs, and at 64 tokens x 32K: 147 vs
     168 µs; the switch at 16 is not measured; docs/perf.md).
     """
@@ -319,12 +319,9 @@ def select_topk_triton(logits: torch.Tensor, topk: int, *, block: int | None = N
     T, N = logits.shape
     out = torch.empty(T, topk, dtype=torch.int32, device=logits.device)
     bt, q_len, bs = rows_of if rows_of is not None else (out, 1, 1)
-    if block is None:
-        block = triton.next_power_of_2(max(N, 16)) if N <= 16384 else 4096
-    if num_warps is None:
-        num_warps = 16 if block > 4096 else 8
+    block = min(block or (16384 if N <= 16384 else 4096), triton.next_power_of_2(max(N, 16)))
+    num_warps = num_warps or (16 if block > 4096 else 8)
     if T:
-        block = min(block, triton.next_power_of_2(max(N, 16)))
         _topk_kernel[(T,)](logits, out, bt, N, logits.stride(0), out.stride(0), bt.stride(0), K=topk,
                            KP=triton.next_power_of_2(topk), BLOCK=block, BITS=bits, RESIDENT=N <= block,
                            ROWS=rows_of is not None, Q_LEN=int(q_len), BS=int(bs), num_warps=num_warps)

@@ -10,6 +10,11 @@ valid rows of each token, latent 512 + RoPE 64 with q_nope 128 or 192, pages of 
 Each token is passed as its own request of one query (its selection already encodes what it
 sees). K3's 96 heads are padded to 128 for the kernel (zero queries, outputs dropped).
 
+The choice is made when the pass rewrites the layer (:func:`reserve_sparse_mla`), which also
+allocates FlashInfer's workspace then, outside any CUDA graph or graph memory pool. A layer
+rebuilt from its layer string in a process where no pass ran (a compile-cache hit) chooses and
+allocates on its first step instead.
+
 The FlashInfer path has not run on hardware here (no SM 10.x GPU, no FlashInfer on the H200
 image); its argument handling is tested on CPU against a stand-in implementing the documented
 contract (tests/test_sparse_mla_seam.py).
@@ -74,15 +79,36 @@ def choose_sparse_mla(option: str, kv_cache: Tensor, *, heads: int, kv_lora: int
     key = (kv_cache.device, option, heads, kv_lora, nope, tuple(kv_cache.shape[1:]), kv_cache.dtype,
            kv_cache.is_contiguous())
     if key not in _CHOSEN:
-        why = "asked for" if option == "triton" else flashinfer_unsupported(kv_cache, heads=heads, kv_lora=kv_lora,
-                                                                             nope=nope)
-        if option == "flashinfer" and why is not None:
-            raise RuntimeError(f"kimi_dep: sparse_mla='flashinfer' cannot run on {kv_cache.device}: {why}")
-        kernel = "flashinfer" if why is None else "triton"
-        log.info("kimi_dep DSA sparse MLA on %s: %s kernel%s", kv_cache.device, kernel,
-                 "" if why is None else f" (FlashInfer: {why})")
+        if option == "triton":
+            kernel, note = "triton", " (asked for)"
+        else:
+            why = flashinfer_unsupported(kv_cache, heads=heads, kv_lora=kv_lora, nope=nope)
+            if option == "flashinfer" and why is not None:
+                raise RuntimeError(f"kimi_dep: sparse_mla='flashinfer' cannot run on {kv_cache.device}: {why}")
+            kernel, note = ("flashinfer", "") if why is None else ("triton", f" (FlashInfer: {why})")
+        log.info("kimi_dep DSA sparse MLA on %s: %s kernel%s", kv_cache.device, kernel, note)
         _CHOSEN[key] = kernel
     return _CHOSEN[key]
+
+
+def _workspace(device: torch.device) -> Tensor:
+    """FlashInfer's zeroed workspace on ``device``, allocated on first use."""
+    if device not in _WORKSPACE:
+        _WORKSPACE[device] = torch.zeros(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+    return _WORKSPACE[device]
+
+
+def reserve_sparse_mla(option: str, kv_cache: Tensor, *, heads: int, kv_lora: int, nope: int) -> str:
+    """:func:`choose_sparse_mla` at rewrite time (``kv_cache`` may be a fake tensor), allocating
+    FlashInfer's workspace now where it is chosen: a step inside a CUDA graph then allocates
+    nothing."""
+    kernel = choose_sparse_mla(option, kv_cache, heads=heads, kv_lora=kv_lora, nope=nope)
+    if kernel == "flashinfer":
+        from torch._subclasses.fake_tensor import unset_fake_temporarily  # noqa: PLC0415
+
+        with unset_fake_temporarily():  # a real buffer, also inside Inductor's fake mode
+            _workspace(kv_cache.device)
+    return kernel
 
 
 def flashinfer_sparse_mla(query: Tensor, kv_cache: Tensor, rows: Tensor, slot_mapping: Tensor, *, kv_lora: int,
@@ -97,11 +123,11 @@ def flashinfer_sparse_mla(query: Tensor, kv_cache: Tensor, rows: Tensor, slot_ma
     T, H, LR = query.shape
     K = rows.shape[1]
     device = query.device
-    if device not in _WORKSPACE:
-        _WORKSPACE[device] = torch.zeros(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+    if T == 0:
+        return query.new_empty(0, H, kv_lora)
     q = F.pad(query, (0, 0, 0, FLASHINFER_HEADS - H))  # [T, 128, L+R], zero heads appended
     valid = (rows >= 0).sum(-1, dtype=torch.int32)  # [T] selected rows per token
-    out = fn(query=q.unsqueeze(1), kv_cache=kv_cache.unsqueeze(1), workspace_buffer=_WORKSPACE[device],
+    out = fn(query=q.unsqueeze(1), kv_cache=kv_cache.unsqueeze(1), workspace_buffer=_workspace(device),
              qk_nope_head_dim=nope, kv_lora_rank=kv_lora, qk_rope_head_dim=LR - kv_lora,
              block_tables=rows.unsqueeze(1), seq_lens=valid, max_seq_len=K, sparse_mla_top_k=K,
              bmm1_scale=float(scale), bmm2_scale=1.0)  # [T, 1, 128, L]
