@@ -249,24 +249,24 @@ def _topk_kernel(x_ptr, out_ptr, bt_ptr, N, stride_x, stride_out, stride_bt, K: 
     bt_row = bt_ptr + (t // Q_LEN) * stride_bt
     offs = tl.arange(0, BLOCK)
     ninf = _sort_key(tl.full([BLOCK], float("-inf"), tl.float32))
+    # radix select, BITS bits a pass from the top: thr = the want-th largest key, want = min(K,
+    # visible entries (> -inf)); `need` of the entries equal to thr are taken (the lowest
+    # positions first)
+    want = tl.zeros([], tl.int32)
     if RESIDENT:  # the whole row (N <= BLOCK) in registers: read once for every pass
         key_r = _sort_key(tl.load(row + offs, mask=offs < N, other=float("-inf")))  # [BLOCK] uint32
         live_r = (offs < N) & (key_r > ninf)
-    # radix select, BITS bits a pass from the top: thr = the want-th largest key, want = min(K,
-    # visible entries (> -inf), counted in the first pass); `need` of the entries equal to thr
-    # are taken (the lowest positions first)
+        want = tl.minimum(tl.sum(live_r.to(tl.int32), axis=0), K)
     NBINS: tl.constexpr = 1 << BITS
     bins = tl.arange(0, NBINS)
     prefix = tl.zeros([], tl.uint32)
     pmask = tl.zeros([], tl.uint32)
-    want = tl.zeros([], tl.int32)
     need = want
     for p in tl.static_range(32 // BITS):
         shift = 32 - BITS * (p + 1)
         if RESIDENT:
             hist = _digit_histogram(key_r, offs < N, prefix, pmask, shift, NBINS)
-            n_vis = tl.sum(live_r.to(tl.int32), axis=0)
-        else:  # chunks of BLOCK entries, re-read every pass
+        else:  # chunks of BLOCK entries, re-read every pass; the visible ones counted in the first
             hist = tl.zeros([NBINS], tl.int32)
             n_vis = tl.zeros([], tl.int32)
             for c0 in range(0, N, BLOCK):
@@ -275,9 +275,9 @@ def _topk_kernel(x_ptr, out_ptr, bt_ptr, N, stride_x, stride_out, stride_bt, K: 
                 hist += _digit_histogram(key, n < N, prefix, pmask, shift, NBINS)
                 if p == 0:
                     n_vis += tl.sum((key > ninf).to(tl.int32), axis=0)
-        if p == 0:
-            want = tl.minimum(n_vis, K)
-            need = want
+            if p == 0:
+                want = tl.minimum(n_vis, K)
+                need = want
         above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0)  # [NBINS]: matching entries with digit > bin
         d = tl.sum((above >= need).to(tl.int32), axis=0)  # the digit of the want-th largest
         need -= tl.sum(tl.where(bins == d, above, 0), axis=0)

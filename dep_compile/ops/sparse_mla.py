@@ -122,15 +122,14 @@ def flashinfer_sparse_mla(query: Tensor, kv_cache: Tensor, rows: Tensor, slot_ma
     fn = flashinfer_mla_decode()
     T, H, LR = query.shape
     K = rows.shape[1]
-    device = query.device
     if T == 0:
         return query.new_empty(0, H, kv_lora)
     q = F.pad(query, (0, 0, 0, FLASHINFER_HEADS - H))  # [T, 128, L+R], zero heads appended
     valid = (rows >= 0).sum(-1, dtype=torch.int32)  # [T] selected rows per token
-    out = fn(query=q.unsqueeze(1), kv_cache=kv_cache.unsqueeze(1), workspace_buffer=_workspace(device),
+    out = fn(query=q.unsqueeze(1), kv_cache=kv_cache.unsqueeze(1), workspace_buffer=_workspace(query.device),
              qk_nope_head_dim=nope, kv_lora_rank=kv_lora, qk_rope_head_dim=LR - kv_lora,
              block_tables=rows.unsqueeze(1), seq_lens=valid, max_seq_len=K, sparse_mla_top_k=K,
              bmm1_scale=float(scale), bmm2_scale=1.0)  # [T, 1, 128, L]
     o = out.view(T, FLASHINFER_HEADS, kv_lora)[:, :H]
     keep = ((slot_mapping >= 0) & (valid > 0)).view(T, 1, 1)
-    return torch.where(keep, o, torch.zeros((), dtype=o.dtype, device=device))
+    return o.masked_fill(~keep, 0)  # whatever the kernel leaves for a token with no row (NaN included)
