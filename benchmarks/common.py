@@ -1,6 +1,6 @@
 """Timing and reporting helpers shared by the project's GPU benchmarks.
 
-How the project times GPU work (design.md §7, METHOD.md):
+How the project times GPU work (docs/design.md §7.2):
 
 * CUDA events around CUDA-graph replays; one replay runs ``n_steps`` launches back to back and
   the time per launch is the replay's time over ``n_steps``; we report the median over

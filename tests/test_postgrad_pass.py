@@ -102,7 +102,7 @@ def test_packed_weights_are_read_in_place():
             groups.append([a.fused_qkv_a_g_proj.weight, a.indexer.wk.weight, a.indexer.weights_proj.weight])
         if hasattr(m, "routed_expert_down_proj"):
             groups.append([m.shared_experts.gate_up_proj.weight, m.routed_expert_down_proj.weight])
-    for g in groups:  # before torch.compile (design.md §5)
+    for g in groups:  # before torch.compile (docs/design.md §5.4)
         pack_params(g)
     assert all(packed_view(g) is not None for g in groups)
     records, log = _Records(), logging.getLogger("dep_compile")

@@ -1,8 +1,8 @@
 """The stock ``kimi_k3`` reference ops against independent plain computations written here.
 
-Every expected value below is computed from the definitions in design.md §2-3 with plain
-FP64 loops; nothing calls the helpers in ``dep_compile.stock.reference``. Inputs are random
-(never zeros). Tolerances are stated next to each comparison.
+Every expected value below is computed from the definitions in docs/design.md §2-3 with
+plain FP64 loops; nothing calls the helpers in ``dep_compile.stock.reference``. Inputs are
+random (never zeros). Tolerances are stated next to each comparison.
 """
 
 from __future__ import annotations

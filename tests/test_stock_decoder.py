@@ -208,7 +208,7 @@ def test_pooled_caches_equal_plain():
 
 
 def _expected_names(c, layer: int, kind: str, moe: bool) -> dict[str, tuple[int, ...]]:
-    """vLLM K3 names and shapes of one layer, from design.md §2 (with the config's sizes)."""
+    """vLLM K3 names and shapes of one layer, from docs/design.md §2 (with the config's sizes)."""
     p = f"model.layers.{layer}."
     H, D, F_ = c.kda_heads, c.kda_head_dim, c.kda_f_rank
     Hm, hid = c.mla_heads, c.hidden_size
@@ -275,7 +275,7 @@ def _model_names(c) -> dict[str, tuple[int, ...]]:
 
 
 def test_full_size_vllm_names_and_shapes():
-    """At full size (on the meta device), the literal numbers of design.md §2."""
+    """At full size (on the meta device), the literal numbers of docs/design.md §2."""
     for name, full_layer in (("k3", "mla"), ("k31", "dsa")):
         c = preset(name)
         assert c.layer_kind(3) == full_layer and c.layer_kind(0) == c.layer_kind(1) == "kda"
@@ -317,7 +317,7 @@ def test_synthetic_vllm_state_dict_loads_strict():
     own = model.state_dict()
     for k, shape in table.items():
         assert k in own and tuple(own[k].shape) == shape, (k, tuple(own[k].shape) if k in own else None, shape)
-    # Dtypes: BF16 weights; FP32 A_log, dt_bias and router bias (design.md §2 numerics).
+    # Dtypes: BF16 weights; FP32 A_log, dt_bias and router bias (docs/design.md §2 numerics).
     fp32 = {k for k, v in own.items() if v.dtype == torch.float32}
     assert fp32 == {k for k in own if k.endswith(("A_log", "dt_bias", "e_score_correction_bias"))}
 

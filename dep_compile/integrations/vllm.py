@@ -81,7 +81,7 @@ def pack_model_weights(model: nn.Module) -> list[str]:
     indexer.wk_weights_proj]``); MoE: ``[shared_experts.gate_up_proj | routed_expert_down_proj]``.
     Each group's params become adjacent row views of one tensor (``pack_params``), which is what
     the kimi_dep ops read as one matrix without copying. Returns the packed modules' names.
-    Do it before ``torch.compile`` (design.md §5: never between tracing and compile_fx).
+    Do it before ``torch.compile`` (docs/design.md §5.4: never between tracing and compile_fx).
     """
     packed = []
     with torch.no_grad():

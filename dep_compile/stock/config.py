@@ -10,7 +10,7 @@ LayerKind = Literal["kda", "mla", "dsa"]
 
 @dataclasses.dataclass(frozen=True)
 class K3Config:
-    """Every size the stock decoder needs; the full presets follow design.md §2."""
+    """Every size the stock decoder needs; the full presets follow docs/design.md §2."""
 
     name: str
     vocab_size: int
