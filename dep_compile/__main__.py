@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import sys
 
 import torch
 
@@ -52,17 +53,42 @@ def explain(preset_name: str, kinds: tuple[str, ...], dump: str | None, q_len: i
     return 0
 
 
+def _check_args(args) -> str | None:
+    """The first bad argument of ``explain`` as a one-line message (None: all good), checked
+    before anything is imported or built."""
+    from dep_compile.config import KINDS
+    from dep_compile.stock.config import PRESETS
+
+    if args.preset not in PRESETS:
+        return f"unknown --preset {args.preset!r}; valid: {', '.join(PRESETS)}"
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    bad = [k for k in kinds if k not in KINDS]
+    if bad:
+        extra = " (MLA is never rewritten)" if "mla" in bad else ""
+        return f"unknown --kinds {', '.join(map(repr, bad))}; valid: a comma-separated subset of {','.join(KINDS)}{extra}"
+    for name in ("q", "batch"):
+        if getattr(args, name) < 1:
+            return f"--{name} must be >= 1, got {getattr(args, name)}"
+    return None
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dep_compile")
+    ap = argparse.ArgumentParser(prog="dep-compile", description="The kimi_dep backend's command line "
+                                 "(also `python -m dep_compile`).")
     sub = ap.add_subparsers(dest="cmd", required=True)
     ex = sub.add_parser("explain", help="compile a stock decoder, print the match table and what changed")
-    ex.add_argument("--preset", default="k31-small", help="k3-small | k31-small | mixed-small")
-    ex.add_argument("--kinds", default="dsa,kda,moe", help="comma-separated subset of dsa,kda,moe")
+    ex.add_argument("--preset", default="k31-small",
+                    help="k3-small | k31-small | mixed-small (k3 | k31: full size) (default: k31-small)")
+    ex.add_argument("--kinds", default="dsa,kda,moe", help="comma-separated subset of dsa,kda,moe (default: all)")
     ex.add_argument("--dump", default=None, help="dump directory")
-    ex.add_argument("--q", type=int, default=1, help="tokens per request")
-    ex.add_argument("--batch", type=int, default=2)
+    ex.add_argument("--q", type=int, default=1, help="tokens per request (default: 1, a decode step)")
+    ex.add_argument("--batch", type=int, default=2, help="requests in the step (default: 2)")
     args = ap.parse_args(argv)
-    kinds = tuple(k for k in args.kinds.split(",") if k)
+    err = _check_args(args)
+    if err:
+        print(f"{ap.prog} {args.cmd}: error: {err}", file=sys.stderr)
+        return 2
+    kinds = tuple(dict.fromkeys(k.strip() for k in args.kinds.split(",") if k.strip()))
     return explain(args.preset, kinds, args.dump, args.q, args.batch)
 
 

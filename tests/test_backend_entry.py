@@ -3,6 +3,8 @@ option checking, ``mode`` mapping to Inductor, and a graph with nothing to rewri
 
 from __future__ import annotations
 
+import dataclasses
+import re
 import subprocess
 import sys
 import textwrap
@@ -90,19 +92,33 @@ def test_registered_once_under_its_name():
 # ---------------------------------------------------------------------------------------------
 
 VALID = ["kinds", "projection_tables", "oproj_table", "front_max", "batches", "max_q", "moe_top_k", "sparse_mla",
-         "dump_dir", "verify", "inductor", "inductor_config"]
+         "dump_dir", "validate", "inductor", "inductor_config"]
+
+
+def test_valid_list_is_every_option():
+    assert sorted(VALID) == sorted(f.name for f in dataclasses.fields(DepOptions))
+    assert sorted(DepOptions.HELP) == sorted(VALID)
 
 
 def test_unknown_option_names_it_and_lists_valid_ones():
     with pytest.raises(ValueError) as e:
         DepOptions.from_dict({"front_maxx": 4, "kinds": ("dsa",)})
     msg = str(e.value)
-    assert "front_maxx" in msg
-    assert all(name in msg for name in VALID), msg
+    assert "unknown option(s) ['front_maxx']" in msg, msg
+    # each option on a line of its own, with its help (a name inside another option's help text does not count)
+    listed = re.findall(r"^  (\w+): ", msg, re.M)
+    assert listed == [f.name for f in dataclasses.fields(DepOptions)], msg
+    for name in VALID:
+        assert f"\n  {name}: {DepOptions.HELP[name]}" in msg, name
     # The same through the backend itself, before anything is compiled.
     gm, inputs = _dynamo_graph(Tiny(), _x())
-    with pytest.raises(ValueError, match="bogus"):
+    with pytest.raises(ValueError, match="unknown option.*bogus"):
         kimi_dep(gm, inputs, options={"bogus": 1})
+
+
+def test_removed_verify_option_is_unknown():
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['verify'\]"):
+        DepOptions.from_dict({"verify": True})
 
 
 def test_unknown_option_through_torch_compile():
@@ -118,15 +134,17 @@ def test_unknown_option_through_torch_compile():
 
 @pytest.mark.parametrize("name, value", [
     ("kinds", ("mla",)), ("kinds", "dsa"), ("kinds", ("dsa", "kda", "moe", "mla")),
-    ("front_max", 0), ("front_max", -3), ("front_max", True), ("front_max", 2.0),
+    ("front_max", 0), ("front_max", -3), ("front_max", True), ("front_max", 2.0), ("front_max", "64"),
     ("max_q", "x"), ("max_q", 0), ("moe_top_k", None), ("sparse_mla", "flashmla"),
     ("batches", (1, 0)), ("batches", (1, "2")),
-    ("verify", 1), ("inductor", "no"), ("inductor_config", [("max_autotune", True)]),
+    ("validate", 1), ("validate", "yes"), ("validate", None), ("inductor", "no"),
+    ("inductor_config", [("max_autotune", True)]),
     ("dump_dir", 3),
     ("projection_tables", {"no_such_projection": {}}),
 ])
 def test_bad_option_values_name_the_option(name, value):
-    with pytest.raises(ValueError, match=name):
+    assert name in VALID  # a known option: the error below is its value check, not "unknown option"
+    with pytest.raises(ValueError, match=rf"^kimi_dep: {name}: expected "):
         DepOptions.from_dict({name: value})
 
 
@@ -141,6 +159,7 @@ def test_good_options_are_normalized():
     o = DepOptions.from_dict({"kinds": ["kda", "moe"], "batches": (8, 1, 8, 2), "front_max": 16, "max_q": 4})
     assert o.kinds == ("kda", "moe") and o.batches == (1, 2, 8) and o.front_max == 16 and o.max_q == 4
     assert DepOptions.from_dict(None) == DepOptions.from_dict({})
+    assert DepOptions.from_dict({}).validate is True and DepOptions.from_dict({"validate": False}).validate is False
     assert o.fingerprint() != DepOptions.from_dict({}).fingerprint()
 
 
