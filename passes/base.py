@@ -3,21 +3,25 @@
 from __future__ import annotations
 
 import dataclasses
-import operator
+import logging
+import time
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
-from dep_compile.config import DepOptions
+from dep_compile.config import DepOptions, OptionError
 from dep_compile.debug.report import LayerMatch
 from dep_compile.ops.packing import pack_params
+from dep_compile.ops.registry import register
 
-from .fx_match import (AF_V2, NoMatch, base_outputs, is_call, is_functionalized, layer_index, module_path, require,
-                       val)
+from . import validate
+from .functionalized import eager_vals, replace_functionalized
+from .fx_match import (NoMatch, base_outputs, is_call, is_functionalized, is_plumbing, layer_index,
+                       module_path, op_name, require, val)
 
 Node = fx.Node
+log = logging.getLogger("dep_compile")
 
 
 class PassContext:
@@ -37,6 +41,10 @@ class PassContext:
         self.real: dict[Node, Any] = dict(zip(placeholders, example_inputs or ()))
         self.fake_mode = next((v.fake_mode for v in map(val, placeholders) if hasattr(v, "fake_mode")), None)
         self.finalizers: list[Callable[[], None]] = []
+        self.verdict: validate.Verdict | None = None  # the last layer's probe numbers
+        self.validate_seconds = 0.0
+        self.verdicts: dict[str, validate.Verdict] = {}  # region signature -> its probe
+        self.mutating = False  # True while a replacement edits the graph: an error then is not recoverable
 
     def param(self, node: Any, what: str) -> torch.Tensor:
         """The real nn.Parameter behind a placeholder, or NoMatch naming ``what``.
@@ -52,13 +60,15 @@ class PassContext:
             return t
         t = self.real.get(strip_view(node)) if isinstance(node, Node) else None
         require(isinstance(t, torch.nn.Parameter), f"{what} is not a module parameter", node if isinstance(node, Node) else None)
+        v = val(node)
+        require(v is not None and tuple(v.shape) == tuple(t.shape), f"{what} is a reshaped view of a parameter", node)
         return t
 
     def pack(self, nodes: list[Node], what: str) -> list[Node]:
         """Schedule zero-copy packing of row-stacked parameters; return their nodes for the op.
 
         The params' ``.data`` become row slices of one packed tensor once compile_fx has
-        returned (design.md §5: swapping earlier breaks the compile), so no second copy of the
+        returned (docs/design.md §5.4: swapping earlier breaks the compile), so no second copy of the
         weights exists; the op views them as one matrix (``dep_compile.ops.packing``).
         """
         params = [self.param(n, what) for n in nodes]
@@ -99,17 +109,52 @@ class PassContext:
                 depends.add(n)
         return depends
 
-    def verified_region(self, x: Node, output: Node, matched: set[Node]) -> set[Node]:
-        """The layer region, after checking that each node in it was matched or is plumbing.
+    def verified_region(self, x: Node, output: Node, claimed: set[Node]) -> set[Node]:
+        """The layer region, after checking that the walkers accounted for each node in it.
 
-        Plumbing (casts, splits and their parts, views, norms matched through their callers)
-        carries no arithmetic the match did not check; anything else means the layer computes
-        something the rewrite would not, so it stays stock.
+        A node no walker claimed must be value-preserving plumbing (``fx_match.is_plumbing``: a
+        reshaping view, ``contiguous``, a cast to the dtype it already has); any other op means the
+        layer computes something the rewrite would not, so it stays stock.
         """
         region = self.layer_region(x, output)
-        for n in region - matched:
-            require(is_call(n, *_PLUMBING), f"unmatched op {getattr(n.target, '__name__', n.target)} inside the layer", n)
+        for n in sorted(region - claimed, key=_position):
+            require(is_plumbing(n), f"unmatched op {op_name(n) or getattr(n.target, '__name__', n.target)} "
+                    f"({n.name}) inside the layer: its meaning is not accounted for", n)
         return region
+
+    def commit(self, found: "Found", *, x: Node, output: Node, claimed: set[Node], target, args: tuple,
+               prepared: Any, roles: dict, shapes: dict, pack: Sequence[tuple[list[Node], str]] = ()) -> Node:
+        """Check the region, observe the replacement on a random probe, then rewrite.
+
+        ``args`` holds ``None`` where the op's ``layer`` string goes; ``pack``: the weight groups to
+        pack zero-copy once compile_fx returns. Nothing in the graph changes until every check passed.
+        """
+        region = self.verified_region(x, output, claimed)
+        self.check_region(region, output)
+        flat: list = []
+        fx.node.map_arg(args, flat.append)
+        for n in flat:
+            require(n is x or n not in region, f"the op's argument {n.name} is computed inside the layer", n)
+        key_index = list(args).index(None)
+        if self.options.validate:
+            probe = validate.Probe(region, x, output, target, tuple(args), key_index, prepared, found.module, roles,
+                                   shapes)
+            t0 = time.perf_counter()
+            try:
+                sig = validate.signature(probe)
+                if sig not in self.verdicts:  # one probe per structure: a failed one raised, leaving none
+                    self.verdicts[sig] = validate.check(probe, self.gm, self.real)
+                self.verdict = self.verdicts[sig]
+            finally:
+                self.validate_seconds += time.perf_counter() - t0
+        key = register(found.module, prepared)
+        args = tuple(key if i == key_index else a for i, a in enumerate(args))
+        for nodes, what in pack:
+            self.pack(nodes, what)
+        self.mutating = True
+        new = self.replace(region, output, target, args, found.module)
+        self.mutating = False
+        return new
 
     def check_region(self, region: Iterable[Node], output: Node) -> None:
         """Every node the rewrite removes is read only inside the region (``output`` excepted)."""
@@ -131,13 +176,13 @@ class PassContext:
         region = set(region)
         self.check_region(region, output)
         if self.postgrad and target._schema.is_mutable:
-            new = self._replace_functionalized(region, output, target, args)
+            new = replace_functionalized(self.graph, region, output, target, args)
         else:
             with self.graph.inserting_before(output):
                 new = self.graph.call_function(target, args)
             new.meta["val" if self.postgrad else "example_value"] = self._fake_call(target, args)
             if self.postgrad:
-                new.meta["eager_input_vals"] = _eager_vals(new)
+                new.meta["eager_input_vals"] = eager_vals(new)
         for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
             if key in output.meta:
                 new.meta[key] = output.meta[key]
@@ -154,73 +199,6 @@ class PassContext:
                 self.graph.erase_node(n)
         return new
 
-    def _replace_functionalized(self, region: set[Node], output: Node, target, args: tuple) -> Node:
-        """Post-grad: call mutating ``target`` as ``auto_functionalized_v2``, taking each mutated
-        argument's base and view kwargs (``_<arg>_base_index``, ``_size``/``_stride``/``_storage_offset``,
-        ``_slice_*``, ``_alias``) from the wrapped call in ``region`` that mutated the argument of the
-        same name, with ``_all_bases`` concatenated. The old calls' updated-base getitems are
-        redirected to the new call's; ``eager_input_vals`` is rebuilt from the new node's inputs.
-        Returns the getitem of the op's output.
-        """
-        schema = target._schema
-        names = [a.name for a in schema.arguments]
-        mutated = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
-        olds = sorted((n for n in region if is_functionalized(n)), key=_position)
-        for n in olds:
-            require(n.target is AF_V2, "mutating op is wrapped in auto_functionalized v1; only v2 is rewritten "
-                    "(set Inductor's enable_auto_functionalized_v2=True)", n)
-        kwargs = {k: v for k, v in zip(names, args) if k not in mutated}
-        bases: list[Node] = []
-        moved: dict[Node, int] = {}  # old updated-base getitem -> index in the new _all_bases
-        offsets: dict[Node, int] = {}
-        for n in olds:
-            offsets[n] = len(bases)
-            for i, b in enumerate(n.kwargs["_all_bases"]):
-                require(b not in bases, f"two replaced ops mutate one base {getattr(b, 'name', b)}", n)
-                bases.append(b)
-            for i, g in base_outputs(n).items():
-                moved[g] = offsets[n] + i
-        claimed: set[str] = set()
-        for m in mutated:
-            owners = [n for n in olds if f"_{m}_base_index" in n.kwargs]
-            require(len(owners) == 1, f"mutated {m}: {len(owners)} replaced calls mutate an argument of that name",
-                    output)
-            n = owners[0]
-            for k, v in n.kwargs.items():
-                if k.startswith(f"_{m}_"):
-                    if k == f"_{m}_base_index":
-                        require(isinstance(v, int), f"mutated {m} has no single base", n)
-                        v = v + offsets[n]
-                    kwargs[k] = v
-                    claimed.add(k)
-        for n in olds:  # every view kwarg of the replaced calls must belong to a mutated arg of the new op
-            extra = [k for k in n.kwargs if k.startswith("_") and k != "_all_bases" and k not in claimed]
-            require(not extra, f"replaced call mutates {extra}, which the new op does not take", n)
-        kwargs["_all_bases"] = bases
-        out_val = val(output)
-        with self.graph.inserting_before(output):
-            af = self.graph.call_function(AF_V2, (target,), kwargs)
-            outs = [self.graph.call_function(operator.getitem, (af, i)) for i in range(len(bases) + 1)]
-        outs[0].meta["val"] = out_val
-        for g, j in moved.items():
-            outs[j + 1].meta["val"] = val(g)
-        for j, o in enumerate(outs[1:]):
-            if "val" not in o.meta:
-                o.meta["val"] = val(bases[j])
-        af.meta["val"] = tuple(o.meta["val"] for o in outs)
-        af.meta["eager_input_vals"] = _eager_vals(af)
-        for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
-            if key in output.meta:
-                for n in (af, *outs):
-                    n.meta[key] = output.meta[key]
-        for g, j in moved.items():
-            g.replace_all_uses_with(outs[j + 1])
-            self.graph.erase_node(g)  # else the old call keeps a user and survives (and runs)
-        for o in outs[1:]:
-            if not o.users:
-                self.graph.erase_node(o)
-        return outs[0]
-
     def _fake_call(self, target, args):
         vals = fx.node.map_aggregate(args, lambda a: val(a) if isinstance(a, Node) else a)
         if self.fake_mode is None:
@@ -230,16 +208,6 @@ class PassContext:
 
 
 _aten = torch.ops.aten
-_PLUMBING = ("float", "to", "bfloat16", "view", "reshape", "split", "chunk", "contiguous", operator.getitem,
-             torch.split, torch.reshape, F.rms_norm, torch.rms_norm, F.layer_norm, torch.layer_norm,
-             # post-grad spellings of the same plumbing (decomposed norms are matched node by node)
-             torch.ops.prims.convert_element_type, _aten.split_with_sizes, _aten.split, _aten.view,
-             _aten.reshape, _aten._unsafe_view, _aten.unsqueeze, _aten.squeeze)
-
-
-def _eager_vals(node: Node):
-    """``eager_input_vals`` of a new node, from its own inputs (fake values; non-tensors None)."""
-    return fx.node.map_aggregate((node.args, node.kwargs), lambda a: val(a) if isinstance(a, Node) else None)
 
 
 def _position(node: Node):
@@ -293,13 +261,28 @@ class LayerPass:
         return out
 
     def apply(self, ctx: PassContext, found: Found) -> LayerMatch:
-        """Rewrite one found subgraph, or leave it stock with the failed check as the reason."""
+        """Rewrite one found subgraph, or leave it stock with the failed check as the reason.
+
+        An unexpected exception in the pass leaves the layer stock too (the graph is untouched until
+        ``commit`` replaces the region), with the exception in the report.
+        """
+        ctx.verdict = None
         try:
             op, tactics = self.rewrite(ctx, found)
         except NoMatch as e:
+            check = "semantic" if e.reason.startswith("semantic check") else "structure"
             return LayerMatch(found.layer, found.module, self.kind, False, e.reason, self.stock_op,
-                              node=e.node.name if e.node is not None else "")
-        return LayerMatch(found.layer, found.module, self.kind, True, "", op, tactics)
+                              node=e.node.name if isinstance(e.node, Node) else "", check=check)
+        except Exception as e:  # noqa: BLE001 - a pass bug must not fail the user's compile
+            if ctx.mutating or isinstance(e, OptionError):  # a half-edited graph, or an option that cannot hold
+                raise
+            log.warning("kimi_dep: the %s pass raised on %s; the layer stays stock", self.kind, found.module,
+                        exc_info=True)
+            return LayerMatch(found.layer, found.module, self.kind, False,
+                              f"internal error in the {self.kind} pass: {type(e).__name__}: {e}", self.stock_op,
+                              check="internal error")
+        validation = ctx.verdict.summary(found.module) if ctx.verdict is not None else "off (options validate=False)"
+        return LayerMatch(found.layer, found.module, self.kind, True, "", op, tactics, validation=validation)
 
     stock_op: str = ""
 

@@ -1,153 +1,213 @@
-"""DSA: fused a-proj + indexer projections -> norms -> q_b -> indexer -> sparse MLA -> gate -> o_proj
-==>  kimi_dep.dsa_attention over one packed [q_a | kv_a | gate | wk | wv] projection."""
+"""DSA: projections of x -> norms -> q_b / wq_b -> indexer -> sparse MLA -> sigmoid gate -> o_proj
+==>  kimi_dep.dsa_attention over one packed [q_a | kv_a | gate | wk | wv] projection.
+
+Unfused (conceptually)::
+
+    q_a, kv_a, gate, k_idx, w_idx = row ranges of linears of x  # one fused a-proj, or several
+    q_a = rms(q_a); c_kv, k_rope = kv_a ranges; latent = cat([rms(c_kv), k_rope], -1)
+    q = q_b(q_a).view(T, H, nope + rope); q_idx = wq_b(q_a).view(T, Hi, Di)
+    topk = kimi_k3.dsa_indexer(q_idx, w_idx, layer_norm(k_idx), index caches, metadata, q_len, topk)
+    o = kimi_k3.sparse_mla_decode(q, latent, kv_b_w, kv_cache, metadata, topk, q_len, scale, nope)
+    out = o_proj((o.float() * sigmoid(gate.float())).to(bf16))
+
+Fused replacement: ``kimi_dep.dsa_attention(x, [packed row blocks], norms' weights, q_b_w, kv_b_w, wq_b_w,
+k_norm_w, k_norm_b, o_proj_w, kv_cache, index_cache, index_scale, slot_mapping, block_table, seq_lens,
+q_len, layer)``.
+
+Checks: the five roles are row ranges of bias-free linears of x that tile whole weights in the
+order q_a | kv_a | gate | wk | wv (so they pack); the norms are the stock FP32 RMSNorm / LayerNorm
+(eps carried); q_b and wq_b read the normed q_a; the latent is exactly [rms(c_kv) | k_rope]; the
+gate is sigmoid of the FP32 gate range times the FP32 attention output, rounded once to BF16, and
+feeds only o_proj; indexer and sparse MLA share their metadata; caches have no other reader; every
+other node is plumbing; then translation validation.
+"""
 
 from __future__ import annotations
 
-import operator
+import dataclasses
 
 import torch
 
 from dep_compile.ops.dsa import PreparedDsa
 from dep_compile.ops.projection import DepProjection
-from dep_compile.ops.registry import register
 from dep_compile.ops.sparse_mla import reserve_sparse_mla
 
 from .base import Found, LayerPass, PassContext, check_bf16, check_only_user, check_q_len
-from .fx_match import (as_linear, is_call, is_view, match_layer_norm, match_rms_norm, op_args, producer, require,
-                       single_user, split_part, strip_casts, val)
+from .fx_match import (call, cast_to, is_call, linear, match_layer_norm, match_rms_norm, match_tree, op_args,
+                       part_of, producer, require, single_user, skip_identity, unview, upcast_from, val)
+from .validate import shapes_of
 
+Node = torch.fx.Node
 SPARSE_MLA = torch.ops.kimi_k3.sparse_mla_decode
 INDEXER = torch.ops.kimi_k3.dsa_indexer
 DSA_ATTENTION = torch.ops.kimi_dep.dsa_attention
+ROLES = ("q_a", "kv_a", "gate", "wk", "wv")
 
 
-def _linear(node, what):
-    lin = as_linear(node)
-    require(lin is not None and lin[2] is None, f"{what} is not a bias-free linear", node)
-    return lin[0], lin[1]
+def _rows(node, what, claimed):
+    """A role read from a projection of x: (the linear, lo, hi) of its output columns."""
+    node = skip_identity(node, claimed)
+    got = part_of(node, claimed)
+    root, lo, hi = got if got is not None else (node, 0, val(node).shape[-1])
+    lin = linear(root, f"the projection {what} comes from", claimed)
+    return lin, lo, hi
 
 
-def _unview(node, what):
-    require(is_view(node), f"{what} is not a view of a projection", node)
-    return node.args[0]
+def packed_weights(x, roles: dict, ctx: PassContext, anchor) -> list:
+    """The weights whose rows, stacked, are the roles in order q_a | kv_a | gate | wk | wv."""
+    weights, cover, width = [], 0, 0
+    for name in ROLES:
+        lin, lo, hi = roles[name]
+        require(lin.x is x, f"{name} is projected from another input than the layer's", lin.node)
+        if not weights or lin.w is not weights[-1].w:
+            require(not weights or cover == width, f"{name}: the previous projection's rows are not all used in "
+                    "order (q_a | kv_a | gate | wk | wv)", lin.node)
+            require(all(w.w is not lin.w for w in weights), f"{name} reuses a projection out of order", lin.node)
+            weights.append(lin)
+            cover, width = 0, ctx.param(lin.w, f"{name} projection weight").shape[0]
+        require(lo == cover, f"{name} is rows [{lo}, {hi}) of its projection, expected to start at {cover} "
+                "(q_a | kv_a | gate | wk | wv, in order)", lin.node)
+        cover = hi
+    require(cover == width, "the last projection's rows are not all used", anchor)
+    return [lin.w for lin in weights]
 
 
-def _part(node, index, what):
-    sp = split_part(node)
-    require(sp is not None and sp[1] == index, f"{what} is not part {index} of a last-dim split", node)
-    return sp[0], sp[2]
+@dataclasses.dataclass
+class DsaMatch:
+    """A stock DSA layer found by ``find_dsa``: input, weights, the two ops' arguments, sizes, eps."""
+
+    x: Node
+    pack: list  # the projection weights, stacked rows = q_a | kv_a | gate | wk | wv
+    q_a_norm_w: Node
+    kv_a_norm_w: Node
+    q_b_w: Node
+    wq_b_w: Node
+    k_norm_w: Node
+    k_norm_b: Node
+    o_w: Node
+    output: Node
+    mla: dict  # the sparse MLA op's arguments by name
+    indexer: dict  # the indexer op's arguments by name
+    indexer_node: Node
+    heads: int
+    rope: int
+    q_lora: int
+    kv_lora: int
+    gate_width: int
+    index_heads: int
+    index_dim: int
+    eps: tuple  # q_a, kv_a, k_norm
+    claimed: set
+
+
+def find_dsa(ctx: PassContext, S: Node) -> DsaMatch:
+    """Check that the layer around sparse-MLA call ``S`` is the stock DSA; NoMatch names the failed check."""
+    a = op_args(S, SPARSE_MLA.default)
+    I = producer(a["topk_indices"])  # the indexer call (its auto_functionalized wrapper post-grad)
+    require(is_call(I, INDEXER), "sparse MLA's selection does not come from the DSA indexer", I)
+    I_out = ctx.result(I)
+    require(I_out is a["topk_indices"] and single_user(I_out) is S, "indexer output has other users", I)
+    ia = op_args(I, INDEXER.default)
+    for name in ("slot_mapping", "block_table", "q_len"):
+        require(ia[name] is a[name], f"indexer and sparse MLA disagree on {name}", I)
+    S_out = ctx.result(S)
+    claimed = {S, I, I_out, S_out}
+    T = val(a["q"]).shape[0]
+    H, qk = val(a["q"]).shape[-2:]
+    Hi, Di = val(ia["q_idx"]).shape[-2:]
+
+    # MLA query: q = view(q_b(rms(q_a)))
+    q_b = linear(unview(a["q"], (T, H * qk), "q", claimed), "q_b_proj", claimed)
+    q_a_n = q_b.x
+    q_a, q_a_norm_w, q_a_eps = match_rms_norm(q_a_n, "q_a_layernorm", claimed)
+    # latent: cat([rms(c_kv), k_rope], -1)
+    cat = call(a["latent"], ("cat", "concat", "concatenate"), "the latent", claimed)
+    tensors = cat["tensors"]
+    require(isinstance(tensors, (list, tuple)) and len(tensors) == 2 and cat["dim"] in (-1, val(a["latent"]).dim() - 1),
+            "the latent is not a last-dim cat of two parts", a["latent"])
+    c_kv, kv_a_norm_w, kv_a_eps = match_rms_norm(tensors[0], "kv_a_layernorm", claimed)
+    k_rope = tensors[1]
+    ckv_lin, ckv_lo, ckv_hi = _rows(c_kv, "c_kv", claimed)
+    rope_lin, rope_lo, rope_hi = _rows(k_rope, "k_rope", claimed)
+    require(rope_lin.node is ckv_lin.node and rope_lo == ckv_hi,
+            "k_rope is not the columns right after c_kv in one projection (kv_a = [c_kv | k_rope])", k_rope)
+    kv_lora, rope = ckv_hi - ckv_lo, rope_hi - rope_lo
+    require(a["nope"] == qk - rope, f"q head dim {qk} != nope {a['nope']} + rope {rope}", a["q"])
+    # indexer query: view(wq_b(normed q_a))
+    wq_b = linear(unview(ia["q_idx"], (T, Hi * Di), "indexer query", claimed), "indexer wq_b", claimed)
+    require(wq_b.x is q_a_n, "indexer wq_b does not read the normed q_a", wq_b.node)
+    # indexer keys and weights
+    k_raw, k_norm_w, k_norm_b, k_eps = match_layer_norm(ia["k"], "indexer k_norm", claimed)
+    # output: o_proj((o.float() * sigmoid(gate.float())).to(bf16))
+    o_f = single_user(S_out)
+    require(o_f is not None and single_user(o_f) is not None, "sparse MLA output does not feed one gate product", S)
+    o_cast = single_user(single_user(o_f))
+    require(o_cast is not None, "the gate product has several users", o_f)
+    gated = cast_to(o_cast, torch.bfloat16, "the gated output", claimed)
+    require(val(gated).dtype == torch.float32, "the gate product is not FP32", gated)
+    binds: dict = {}
+    require(match_tree(gated, ("mul", ("var", "o"), ("sigmoid", ("var", "gate"))), binds, claimed),
+            "the gated output is not o * sigmoid(gate)", gated)
+    require(upcast_from(binds["o"], torch.bfloat16, "the attention output in the gate", claimed) is S_out,
+            "the gate multiplies something other than the sparse MLA output", gated)
+    gate = upcast_from(binds["gate"], torch.bfloat16, "the gate", claimed)
+    o_user = single_user(o_cast)
+    require(o_user is not None, "the gated output has several users", o_cast)
+    o_lin = linear(o_user, "o_proj", claimed)
+    require(o_lin.x is o_cast, "the gated output does not feed o_proj directly", o_user)
+
+    roles = {"q_a": _rows(q_a, "q_a", claimed), "kv_a": (ckv_lin, ckv_lo, rope_hi),
+             "gate": _rows(gate, "gate", claimed), "wk": _rows(k_raw, "index keys", claimed),
+             "wv": _rows(ia["weights"], "index weights", claimed)}
+    x = roles["q_a"][0].x
+    pack = packed_weights(x, roles, ctx, S)
+    q_lora, gate_width = val(q_a).shape[-1], val(gate).shape[-1]
+    require(gate_width == val(S_out).shape[-1], f"gate width {gate_width} != attention output "
+            f"{val(S_out).shape[-1]}", gate)
+    require(val(k_raw).shape[-1] == Di and val(ia["weights"]).shape[-1] == Hi,
+            "index keys / weights widths differ from the indexer query's", I)
+    check_bf16("DSA activations/weights", x, q_b.w, wq_b.w, o_lin.w, a["kv_cache"], ia["weights"], *pack)
+    for n in (a["kv_cache"], ia["index_cache"], ia["index_scale"]):
+        check_only_user(n, S if n is a["kv_cache"] else I, n.name)
+    check_q_len(a["q_len"], ctx.options.max_q, S)
+    for w, what in ((q_b.w, "q_b_proj"), (wq_b.w, "wq_b"), (o_lin.w, "o_proj"), (a["kv_b_weight"], "kv_b_proj"),
+                    (q_a_norm_w, "q_a norm weight"), (kv_a_norm_w, "kv_a norm weight"),
+                    (k_norm_w, "k_norm weight"), (k_norm_b, "k_norm bias")):
+        ctx.param(w, what)
+    return DsaMatch(x, pack, q_a_norm_w, kv_a_norm_w, q_b.w, wq_b.w, k_norm_w, k_norm_b, o_lin.w, o_user, a, ia, I,
+                    H, rope, q_lora, kv_lora, gate_width, Hi, Di, (q_a_eps, kv_a_eps, k_eps), claimed)
 
 
 class DsaPass(LayerPass):
-    """Rewrites each stock DSA attention layer into one ``kimi_dep.dsa_attention`` call."""
+    """Rewrites each stock DSA attention layer (``find_dsa``) into one ``kimi_dep.dsa_attention`` call."""
 
     kind = "dsa"
     anchors = (SPARSE_MLA,)
     stock_op = "kimi_k3.dsa_indexer + kimi_k3.sparse_mla_decode"
 
     def rewrite(self, ctx: PassContext, found: Found):
-        S = found.anchor
-        a = op_args(S, SPARSE_MLA.default)
-        I = producer(a["topk_indices"])  # the indexer call (its auto_functionalized wrapper post-grad)
-        require(is_call(I, INDEXER), "sparse MLA's selection does not come from the DSA indexer", I)
-        I_out = ctx.result(I)
-        require(single_user(I_out) is S, "indexer output has other users", I)
-        ia = op_args(I, INDEXER.default)
-        for name in ("slot_mapping", "block_table", "q_len"):
-            require(ia[name] is a[name], f"indexer and sparse MLA disagree on {name}", I)
-        S_out = ctx.result(S)
-        region = {S, I, I_out, S_out}
-
-        # MLA query: view(q_b(rms(q_a))), q_a = fused[0]
-        q_b_out = _unview(a["q"], "q")
-        q_a_n, q_b_w = _linear(q_b_out, "q_b_proj")
-        q_a, q_a_norm_w, q_a_eps = match_rms_norm(q_a_n, into=region)
-        fused, sizes = _part(q_a, 0, "q_a")
-        x, fused_w = _linear(fused, "fused_qkv_a_g_proj")
-        require(len(sizes) == 3, f"fused a-proj split into {len(sizes)} parts, expected q_a | kv_a | gate", fused)
-        region |= {a["q"], q_b_out, q_a_n, fused}
-        # latent: cat([rms(c_kv), k_rope]) with c_kv, k_rope = fused[1].split
-        lat = a["latent"]
-        require(is_call(lat, torch.cat, torch.ops.aten.cat) and len(lat.args[0]) == 2,
-                "latent is not cat([norm(c_kv), k_rope])", lat)
-        c_n, k_rope = lat.args[0]
-        c_kv, kv_a_norm_w, kv_a_eps = match_rms_norm(c_n, into=region)
-        kv_a, kv_sizes = _part(c_kv, 0, "c_kv")
-        kv_a2, _ = _part(k_rope, 1, "k_rope")
-        require(kv_a is kv_a2, "c_kv and k_rope come from different splits", lat)
-        fused2, _ = _part(kv_a, 1, "kv_a")
-        require(fused2 is fused, "kv_a is not part 1 of the fused a-proj", kv_a)
-        region |= {lat, c_n}
-        # indexer query: view(wq_b(normed q_a))
-        wq_b_out = _unview(ia["q_idx"], "indexer query")
-        q_a_n2, wq_b_w = _linear(wq_b_out, "indexer wq_b")
-        require(q_a_n2 is q_a_n, "indexer wq_b does not read the normed q_a", wq_b_out)
-        region |= {ia["q_idx"], wq_b_out}
-        # indexer keys and weights: separate wk / weights_proj, or one merged wk_weights_proj
-        k_raw, k_norm_w, k_norm_b, k_eps = match_layer_norm(ia["k"], into=region)
-        region.add(ia["k"])
-        w_node = ia["weights"]
-        if split_part(k_raw) is not None:
-            merged, _ = _part(k_raw, 0, "index keys")
-            merged2, _ = _part(w_node, 1, "index weights")
-            require(merged is merged2, "index keys and weights come from different splits", w_node)
-            x2, m_w = _linear(merged, "wk_weights_proj")
-            require(x2 is x, "wk_weights_proj reads another input than the fused a-proj", merged)
-            pack = [fused_w, m_w]
-            region |= {merged}
-        else:
-            x2, wk_w = _linear(k_raw, "indexer wk")
-            x3, wp_w = _linear(w_node, "indexer weights_proj")
-            require(x2 is x and x3 is x, "indexer projections read another input than the fused a-proj", k_raw)
-            pack = [fused_w, wk_w, wp_w]
-            region |= {k_raw, w_node}
-        # output: o_proj((o.float() * sigmoid(gate.float())).to(bf16)), gate = fused[2]
-        o_f = single_user(S_out)
-        require(o_f is not None and strip_casts(o_f) is S_out, "sparse MLA output does not feed only the gate", S)
-        mul = single_user(o_f)
-        require(is_call(mul, operator.mul, torch.mul, torch.ops.aten.mul), "sparse MLA output is not multiplied by the gate", o_f)
-        sig = mul.args[1] if mul.args[0] is o_f else mul.args[0]
-        require(is_call(sig, torch.sigmoid, torch.ops.aten.sigmoid), "the output gate is not a sigmoid", sig)
-        gate, _ = _part(strip_casts(sig.args[0]), 2, "gate")
-        require(gate is fused, "the gate is not part 2 of the fused a-proj", sig)
-        o_cast = single_user(mul)
-        o_user = single_user(o_cast) if o_cast is not None else None
-        o_lin = as_linear(o_user)
-        require(o_lin is not None and o_lin[0] is o_cast and o_lin[2] is None, "gated output does not feed only o_proj", mul)
-        o_w = o_lin[1]
-        region |= {o_f, mul, sig, o_cast, o_user}
-
-        H, qk = val(a["q"]).shape[-2:]
-        nope = a["nope"]
-        Hi, Di = val(ia["q_idx"]).shape[-2:]
-        q_lora, kv_width, gate_width = sizes
-        kv_lora, rope = kv_sizes
-        require(qk == nope + rope, f"q head dim {qk} != nope {nope} + rope {rope}", a["q"])
-        check_bf16("DSA activations/weights", x, fused_w, q_b_w, wq_b_w, o_w, a["kv_cache"])
-        for n in (a["kv_cache"], ia["index_cache"], ia["index_scale"]):
-            check_only_user(n, S if n is a["kv_cache"] else I, n.name)
-        check_q_len(a["q_len"], ctx.options.max_q, S)
-        for w, what in ((q_b_w, "q_b_proj"), (wq_b_w, "wq_b"), (o_w, "o_proj"), (a["kv_b_weight"], "kv_b_proj")):
-            ctx.param(w, what)
-
-        opts = ctx.options
+        m = find_dsa(ctx, found.anchor)
+        a, ia, opts = m.mla, m.indexer, ctx.options
         prepared = PreparedDsa(
-            heads=H, nope=nope, rope=rope, q_lora=q_lora, kv_lora=kv_lora, gate_width=gate_width, index_heads=Hi,
-            index_dim=Di, topk=int(ia["topk"]), scale=float(a["scale"]), q_a_eps=q_a_eps, kv_a_eps=kv_a_eps,
-            k_norm_eps=k_eps,
+            heads=m.heads, nope=int(a["nope"]), rope=m.rope, q_lora=m.q_lora, kv_lora=m.kv_lora,
+            gate_width=m.gate_width, index_heads=m.index_heads, index_dim=m.index_dim, topk=int(ia["topk"]),
+            scale=float(a["scale"]), q_a_eps=m.eps[0], kv_a_eps=m.eps[1], k_norm_eps=m.eps[2],
             projection=DepProjection("dsa_qkv_a_g_index", opts.projection_tables["dsa_qkv_a_g_index"]),
             o_proj=DepProjection("o_proj", opts.oproj_table), sparse_mla=opts.sparse_mla,
         )
-        require(sum(prepared.split_sizes) == sum(ctx.param(w, "packed weight").shape[0] for w in pack),
-                "packed rows do not add up to q_a | kv_a | gate | wk | wv", fused)
+        require(sum(prepared.split_sizes) == sum(ctx.param(w, "packed weight").shape[0] for w in m.pack),
+                "packed rows do not add up to q_a | kv_a | gate | wk | wv", found.anchor)
         # the sparse-MLA kernel, chosen (and FlashInfer's workspace allocated) now, outside any graph
-        reserve_sparse_mla(opts.sparse_mla, val(a["kv_cache"]), heads=H, kv_lora=kv_lora, nope=nope)
-        key = register(found.module, prepared)
-        region = ctx.verified_region(x, o_user, region)
-        packed = ctx.pack(pack, "DSA projection")
-        ctx.replace(region, o_user, DSA_ATTENTION.default, (
-            x, packed, q_a_norm_w, kv_a_norm_w, q_b_w, a["kv_b_weight"], wq_b_w, k_norm_w, k_norm_b, o_w,
-            a["kv_cache"], ia["index_cache"], ia["index_scale"], a["slot_mapping"], a["block_table"],
-            ia["seq_lens"], a["q_len"], key), found.module)
+        reserve_sparse_mla(opts.sparse_mla, val(a["kv_cache"]), heads=m.heads, kv_lora=m.kv_lora, nope=int(a["nope"]))
+        roles = {"kv_cache": a["kv_cache"], "index_cache": ia["index_cache"], "index_scale": ia["index_scale"],
+                 "slot_mapping": a["slot_mapping"], "block_table": a["block_table"], "seq_lens": ia["seq_lens"],
+                 "q_len": a["q_len"], "topk": int(ia["topk"])}
+        shapes = {**shapes_of(found.anchor, SPARSE_MLA.default, ("kv_cache",)),
+                  **shapes_of(m.indexer_node, INDEXER.default, ("index_cache", "index_scale"))}
+        ctx.commit(found, x=m.x, output=m.output, claimed=m.claimed, target=DSA_ATTENTION.default, args=(
+            m.x, m.pack, m.q_a_norm_w, m.kv_a_norm_w, m.q_b_w, a["kv_b_weight"], m.wq_b_w, m.k_norm_w, m.k_norm_b,
+            m.o_w, a["kv_cache"], ia["index_cache"], ia["index_scale"], a["slot_mapping"], a["block_table"],
+            ia["seq_lens"], a["q_len"], None), prepared=prepared, roles=roles, shapes=shapes,
+            pack=[(m.pack, "DSA projection")])
         tactics = {p.name: p.policies(opts.batches) for p in (prepared.projection, prepared.o_proj)}
         return "kimi_dep.dsa_attention", tactics

@@ -1,28 +1,31 @@
-"""Structural matching helpers for Dynamo FX graphs: linears however spelled, splits, casts, norms."""
+"""FX matching helpers: every call read through one canonical form, whatever its spelling.
+
+Dynamo graphs hold calls as written (``F.linear(input=x, weight=w)``, ``x @ w.t()``, ``x.sigmoid()``,
+``x[..., :n]``); Inductor's post-grad graphs hold aten overloads (``aten.mm(x, permute(w))``,
+``split_with_sizes``, ``convert_element_type``). :func:`bind` reads any of them as a canonical op
+name and its arguments by name (keywords and positions alike, defaults filled), and the walkers
+below (:func:`linear_of`, :func:`part_of`, :func:`match_rms_norm`, ...) recognise each piece of
+math in every spelling whose meaning is provably the same, adding each node they account for to a
+``claims`` set. A node of a rewritten region that no walker claimed and that is not value-preserving
+plumbing (:func:`is_plumbing`) keeps the layer stock.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import re
 from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
 Node = fx.Node
-
-_LINEAR_FNS = {F.linear, torch._C._nn.linear}
-_MATMUL_FNS = {torch.matmul, operator.matmul, torch.mm}
-_MATMUL_METHODS = {"matmul", "mm", "__matmul__"}
-_CAST_METHODS = {"float", "bfloat16", "half", "to", "type"}
 
 aten, prims = torch.ops.aten, torch.ops.prims
 # Post-grad (aten, functionalized) spellings, as Inductor hands graphs to post_grad_custom_post_pass.
 AF_V2 = torch.ops.higher_order.auto_functionalized_v2
 AF_V1 = torch.ops.higher_order.auto_functionalized
-_ATEN_CASTS = (prims.convert_element_type, aten._to_copy)
-_ATEN_VIEWS = (aten.view, aten.reshape, aten._unsafe_view, aten.unsqueeze, aten.squeeze)
 
 
 class NoMatch(Exception):
@@ -39,10 +42,135 @@ def require(cond: Any, reason: str, node: Node | None = None) -> None:
 
 
 def val(node: Any):
-    """The fake value Dynamo recorded for a node (None for non-nodes)."""
+    """The fake value Dynamo (``example_value``) or Inductor (``val``) recorded for a node (None for non-nodes)."""
     if not isinstance(node, Node):
         return None
     return node.meta.get("example_value", node.meta.get("val"))
+
+
+def dtype_of(node: Any) -> torch.dtype | None:
+    v = val(node)
+    return v.dtype if isinstance(v, torch.Tensor) else None
+
+
+# ---- canonical calls -----------------------------------------------------------------------------
+
+_OPERATORS = {operator.mul: "mul", operator.truediv: "div", operator.add: "add", operator.sub: "sub",
+              operator.neg: "neg", operator.matmul: "matmul", operator.getitem: "getitem", operator.pow: "pow"}
+_ALIASES = {"true_divide": "div", "divide": "div", "multiply": "mul", "subtract": "sub", "__matmul__": "matmul",
+            "_softmax": "softmax", "_unsafe_view": "view", "reshape": "view", "split_with_sizes": "split",
+            "unsafe_split": "split", "convert_element_type": "cast", "_to_copy": "cast", "float": "cast",
+            "bfloat16": "cast", "half": "cast", "double": "cast", "to": "cast", "type": "cast", "_linear": "linear"}
+# Argument names by position, for the calls the walkers read (aten overloads bind through their schemas).
+_SIGNATURES = {
+    "linear": ("input", "weight", "bias"), "matmul": ("input", "other"), "mm": ("input", "other"),
+    "addmm": ("input", "mat1", "mat2"), "t": ("input",), "transpose": ("input", "dim0", "dim1"),
+    "split": ("input", "split_size_or_sections", "dim"), "chunk": ("input", "chunks", "dim"),
+    "narrow": ("input", "dim", "start", "length"), "slice": ("input", "dim", "start", "end", "step"),
+    "cat": ("tensors", "dim"), "concat": ("tensors", "dim"), "concatenate": ("tensors", "dim"),
+    "rms_norm": ("input", "normalized_shape", "weight", "eps"),
+    "layer_norm": ("input", "normalized_shape", "weight", "bias", "eps"),
+    "mean": ("input", "dim", "keepdim", "dtype"), "sum": ("input", "dim", "keepdim", "dtype"),
+    "pow": ("input", "exponent"), "square": ("input",), "rsqrt": ("input",), "add": ("input", "other", "alpha"),
+    "sub": ("input", "other", "alpha"), "mul": ("input", "other"), "div": ("input", "other", "rounding_mode"),
+    "sigmoid": ("input",), "tanh": ("input",), "topk": ("input", "k", "dim", "largest", "sorted"),
+    "gather": ("input", "dim", "index", "sparse_grad"), "getitem": ("input", "index"), "cast": ("input",),
+}
+_DEFAULTS = {
+    "linear": {"bias": None}, "addmm": {"beta": 1, "alpha": 1}, "split": {"dim": 0}, "chunk": {"dim": 0},
+    "slice": {"dim": 0, "start": None, "end": None, "step": 1}, "cat": {"dim": 0}, "concat": {"dim": 0},
+    "concatenate": {"dim": 0}, "rms_norm": {"weight": None, "eps": None},
+    "layer_norm": {"weight": None, "bias": None, "eps": 1e-5}, "mean": {"dim": None, "keepdim": False, "dtype": None},
+    "sum": {"dim": None, "keepdim": False, "dtype": None}, "add": {"alpha": 1}, "sub": {"alpha": 1},
+    "div": {"rounding_mode": None}, "topk": {"dim": -1, "largest": True, "sorted": True},
+    "gather": {"sparse_grad": False},
+}
+_KW_ALIASES = {"self": "input", "tensor": "input", "mat2": "other", "split_size": "split_size_or_sections",
+               "split_sizes": "split_size_or_sections", "sections": "split_size_or_sections", "axis": "dim",
+               "exponent": "exponent", "x": "input", "a": "input"}
+
+
+def op_name(node: Any) -> str | None:
+    """The canonical name of a call (``"linear"``, ``"mul"``, ``"cast"``, ``"split"``, ...), else None."""
+    if not isinstance(node, Node):
+        return None
+    if node.op == "call_method":
+        return _ALIASES.get(node.target, node.target)
+    if node.op != "call_function":
+        return None
+    t = node.target
+    if t in _OPERATORS:
+        return _OPERATORS[t]
+    if isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        packet = getattr(t, "overloadpacket", t)
+        ns = packet._qualified_op_name.split("::")[0]
+        if ns not in ("aten", "prims"):
+            return None  # custom ops are matched by identity (is_call)
+        name = packet.__name__
+        return _ALIASES.get(name, name)
+    if t is getattr:
+        return "getattr"
+    name = getattr(t, "__name__", None)
+    module = getattr(t, "__module__", None) or ""
+    if not isinstance(name, str) or not (module.startswith("torch") or module == "builtins" and callable(t)):
+        return None
+    return _ALIASES.get(name, name)
+
+
+def bind(node: Any) -> dict | None:
+    """A call's arguments by canonical name (positional and keyword alike, defaults filled), else None.
+
+    Casts bind ``input`` and their result ``dtype`` (from the node's fake value). A call with an
+    argument its canonical signature does not name (``out=``, say) does not bind.
+    """
+    name = op_name(node)
+    if name is None:
+        return None
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        names = [_KW_ALIASES.get(a.name, a.name) for a in t._schema.arguments]
+        if name == "addmm":
+            names = ["input", "mat1", "mat2", "beta", "alpha"]
+        out = {n: a.default_value for n, a in zip(names, t._schema.arguments) if a.has_default_value()}
+        out.update(zip(names, node.args))
+        for k, v in node.kwargs.items():
+            out[_KW_ALIASES.get(k, k)] = v
+    elif name in ("permute", "view", "einsum", "getattr"):
+        return {"args": tuple(node.args), **node.kwargs}
+    else:
+        sig = _SIGNATURES.get(name)
+        if sig is None:
+            return {"input": node.args[0] if node.args else node.kwargs.get("input", node.kwargs.get("self"))} \
+                if len(node.args) <= 1 and set(node.kwargs) <= {"input", "self"} else None
+        if name == "cast":
+            out = {"input": node.args[0] if node.args else node.kwargs.get("self", node.kwargs.get("input"))}
+        else:
+            if len(node.args) > len(sig):
+                return None
+            out = dict(_DEFAULTS.get(name, {}))
+            out.update(zip(sig, node.args))
+            for k, v in node.kwargs.items():
+                k = _KW_ALIASES.get(k, k)
+                if k not in sig and k not in _DEFAULTS.get(name, {}):
+                    return None
+                out[k] = v
+    if name == "cast":
+        v, src = val(node), val(out.get("input"))
+        if not isinstance(v, torch.Tensor) or not isinstance(src, torch.Tensor) or v.device != src.device:
+            return None
+        out = {"input": out["input"], "dtype": v.dtype}
+    return out
+
+
+def call(node: Any, names: str | tuple, what: str, claims: set | None = None) -> dict:
+    """``node``'s bound arguments if it calls one of ``names``; claims it; NoMatch naming ``what`` otherwise."""
+    names = (names,) if isinstance(names, str) else names
+    require(op_name(node) in names, f"{what} is not {' / '.join(names)}", node if isinstance(node, Node) else None)
+    b = bind(node)
+    require(b is not None, f"{what}: cannot read the arguments of {op_name(node)}", node)
+    if claims is not None:
+        claims.add(node)
+    return b
 
 
 def is_call(node: Any, *targets) -> bool:
@@ -116,92 +244,12 @@ def op_args(node: Node, overload) -> dict[str, Any]:
                 index = node.kwargs.get(f"_{a.name}_base_index")
                 require(isinstance(index, int), f"mutated {a.name} has no single base", node)
                 bound[a.name] = bases[index]
-        return bound
-    bound = dict(zip(names, node.args))
-    bound.update(node.kwargs)
+    else:
+        bound = dict(zip(names, node.args))
+        bound.update(node.kwargs)
+    missing = [a.name for a in overload._schema.arguments if a.name not in bound and not a.has_default_value()]
+    require(not missing, f"{overload._schema.name} call lacks {missing}", node)
     return bound
-
-
-def arg(node: Node, index: int, name: str, default: Any = None) -> Any:
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name, default)
-
-
-def transposed(node: Any) -> Node | None:
-    """If ``node`` is a 2-D transpose of some tensor (``w.t()``, ``w.T``, ``transpose``, ``permute``), that tensor."""
-    if not isinstance(node, Node):
-        return None
-    src = node.args[0] if node.args else None
-    if is_call(node, "t", torch.t, aten.t):
-        return src
-    if is_call(node, "transpose", torch.transpose, aten.transpose):
-        dims = {int(d) for d in node.args[1:3]}
-        return src if dims in ({0, 1}, {-1, -2}, {0, -1}, {-2, 1}) else None
-    if is_call(node, "permute", torch.permute, aten.permute):
-        dims = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) else node.args[1:]
-        return src if list(dims) == [1, 0] else None
-    if node.op == "call_function" and node.target is getattr and node.args[1] in ("T", "mT"):
-        return src
-    return None
-
-
-def as_linear(node: Any) -> tuple[Node, Node, Any] | None:
-    """If ``node`` is ``x W^T (+ b)`` however spelled, (x, W, b); else None.
-
-    Spellings: ``F.linear``, ``x @ W.t()``, ``torch.matmul``/``mm``/``.matmul`` with a transposed
-    weight, ``torch.addmm(b, x, W.t())``.
-    """
-    if not isinstance(node, Node):
-        return None
-    if is_call(node, *_LINEAR_FNS):
-        return node.args[0], node.args[1], arg(node, 2, "bias")
-    if is_call(node, *_MATMUL_FNS, *_MATMUL_METHODS, aten.mm):
-        w = transposed(node.args[1])
-        return (node.args[0], w, None) if w is not None else None
-    if is_call(node, torch.addmm, "addmm", aten.addmm):
-        if any(node.kwargs.get(k, 1) != 1 for k in ("beta", "alpha")) or len(node.args) > 3:
-            return None
-        w = transposed(node.args[2])
-        return (node.args[1], w, node.args[0]) if w is not None else None
-    return None
-
-
-def is_cast(node: Any, dtype: torch.dtype | None = None) -> bool:
-    """A dtype cast (``.float()``, ``.to(dtype)``, ``prims.convert_element_type``), to ``dtype`` if given."""
-    if not isinstance(node, Node):
-        return False
-    if is_call(node, *_ATEN_CASTS):
-        if is_call(node, aten._to_copy):
-            if set(node.kwargs) - {"dtype"} or len(node.args) != 1:
-                return False  # a device / layout / memory-format copy, not a cast
-            to = node.kwargs.get("dtype")
-        else:
-            to = node.args[1]
-        return dtype is None or to == dtype
-    if not is_call(node, *_CAST_METHODS):
-        return False
-    if dtype is None:
-        return True
-    v = val(node)
-    return v is not None and v.dtype == dtype
-
-
-def is_view(node: Any) -> bool:
-    """A reshaping view of a projection (``.view``/``.reshape`` or their aten forms)."""
-    return is_call(node, "view", "reshape", torch.reshape, *_ATEN_VIEWS)
-
-
-def strip_casts(node: Any) -> Any:
-    """Follow dtype casts (``.float()``, ``.to(dtype)``, ``convert_element_type``) back to their source."""
-    while is_cast(node):
-        node = node.args[0]
-    return node
-
-
-def uncast(node: Any) -> Any:
-    """One dtype cast (``.float()``, ``.to(dtype)``, ``convert_element_type``) back to its source, if ``node`` is one."""
-    return node.args[0] if is_cast(node) else node
 
 
 def getitem_of(node: Any) -> tuple[Node, Any] | None:
@@ -210,159 +258,479 @@ def getitem_of(node: Any) -> tuple[Node, Any] | None:
     return None
 
 
-def split_sizes(node: Any) -> tuple[Node, list[int]] | None:
-    """If ``node`` splits its input on the last dim by explicit sizes, (input, sizes).
-
-    Post-grad spellings: ``aten.split_with_sizes(x, sizes, dim)``, and ``aten.split.Tensor(x,
-    n, dim)`` (equal chunks, as ``chunk`` decomposes) when ``n`` divides the dim exactly.
-    """
-    x = val(node.args[0]) if isinstance(node, Node) and node.args else None
-    if is_call(node, aten.split_with_sizes):
-        sizes, dim = arg(node, 1, "split_sizes"), arg(node, 2, "dim", 0)
-    elif is_call(node, aten.split):
-        size, dim = arg(node, 1, "split_size"), arg(node, 2, "dim", 0)
-        if not isinstance(size, int) or x is None or size <= 0 or x.shape[-1] % size:
-            return None
-        sizes = [size] * (x.shape[-1] // size)
-    elif is_call(node, "split", torch.split, "split_with_sizes"):
-        sizes = arg(node, 1, "split_size_or_sections", node.kwargs.get("split_size"))
-        dim = arg(node, 2, "dim", 0)
-    else:
-        return None
-    if not isinstance(sizes, (list, tuple)) or x is None or dim not in (-1, x.dim() - 1):
-        return None
-    if is_call(node, aten.split_with_sizes, aten.split) and sum(sizes) != x.shape[-1]:
-        return None
-    return node.args[0], [int(s) for s in sizes]
-
-
-def split_part(node: Any) -> tuple[Node, int, list[int]] | None:
-    """If ``node`` is part ``i`` of a last-dim split by sizes (method or function), (input, i, sizes)."""
-    gi = getitem_of(node)
-    if gi is None:
-        return None
-    src, index = gi
-    s = split_sizes(src)
-    if s is not None and isinstance(index, int):
-        return s[0], index, s[1]
-    return None
-
-
 def single_user(node: Node) -> Node | None:
     users = list(node.users)
     return users[0] if len(users) == 1 else None
 
 
-def _is_last_dim(node: Node, dims: Any) -> bool:
-    x = val(node)
-    return (x is not None and isinstance(dims, (list, tuple)) and len(dims) == 1
-            and dims[0] in (-1, x.dim() - 1))
+def last_dim(node: Any, dim: Any) -> bool:
+    """``dim`` names the last dim of ``node``'s value."""
+    v = val(node)
+    if isinstance(dim, (list, tuple)):
+        dim = dim[0] if len(dim) == 1 else None
+    return isinstance(v, torch.Tensor) and isinstance(dim, int) and dim in (-1, v.dim() - 1)
 
 
-def _binary(node: Any, target, *, scalar: bool = False):
-    """(a, b) of ``aten.<target>(a, b)`` (b a Python number when ``scalar``), else None."""
-    if not is_call(node, target) or len(node.args) != 2 or (set(node.kwargs) - {"alpha"}):
-        return None
-    if node.kwargs.get("alpha", 1) != 1:
-        return None
-    a, b = node.args
-    if scalar != isinstance(b, (int, float)):
-        return None
-    return a, b
+def scalar(x: Any) -> float | None:
+    """A Python number argument as float (None for nodes and others)."""
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
 
-def _other(node: Node, target, one: Any):
-    """The operand of commutative binary ``node`` (aten ``target``) that is not ``one``, else None."""
-    ab = _binary(node, target)
-    if ab is None:
-        return None
-    a, b = ab
-    return b if a is one else a if b is one else None
+# ---- value-preserving plumbing ---------------------------------------------------------------------
+
+_VIEWS = ("view", "contiguous", "clone", "squeeze", "unsqueeze", "flatten", "detach")
 
 
-def match_rms_norm(node: Any, into: set | None = None) -> tuple[Node, Node, float]:
-    """``(F.rms_norm(x.float(), shape, w.float(), eps)).to(dtype)`` -> (x, w, eps); else NoMatch.
+def is_plumbing(node: Any) -> bool:
+    """A node that leaves values as they are: a reshaping view (row-major order kept), ``contiguous``,
+    ``clone``, or a cast to the dtype its input already has. Transposes, casts that change the dtype
+    and every arithmetic op are not plumbing."""
+    name = op_name(node)
+    if name in _VIEWS:
+        return True
+    if name == "cast":
+        b = bind(node)
+        return b is not None and dtype_of(b["input"]) == b.get("dtype")
+    return False
 
-    Post-grad (decomposed) form: ``xf = convert(x, f32); r = rsqrt(mean(pow(xf, 2), [-1], keepdim)
-    + eps); convert(mul(mul(xf, r), convert(w, f32)), dtype)``. Its nodes are added to ``into``.
-    """
-    inner = node.args[0] if is_cast(node) else node
-    if is_call(inner, F.rms_norm, torch.rms_norm):
-        w = arg(inner, 2, "weight")
-        eps = arg(inner, 3, "eps")
-        require(w is not None and isinstance(eps, float), "RMSNorm without weight or eps", node)
-        return uncast(inner.args[0]), uncast(w), eps
-    require(is_call(inner, aten.mul), "expected an RMSNorm", node)
-    # mul(normed, w) with normed = mul(xf, rsqrt(...)); either operand order
-    for normed, w in (inner.args, inner.args[::-1]):
-        if is_call(normed, aten.mul) and not isinstance(w, (int, float)):
+
+def skip_identity(node: Any, claims: set | None = None) -> Any:
+    """Follow identity casts, ``contiguous``/``clone`` and shape-keeping views back to their source."""
+    while is_plumbing(node) and node.args:
+        src = node.args[0] if node.args else None
+        if not isinstance(src, Node):
+            src = bind(node).get("input") if op_name(node) == "cast" else None
+        if not isinstance(src, Node):
             break
+        v, s = val(node), val(src)
+        if not (isinstance(v, torch.Tensor) and isinstance(s, torch.Tensor) and v.shape == s.shape
+                and v.dtype == s.dtype):
+            break
+        if claims is not None:
+            claims.add(node)
+        node = src
+    return node
+
+
+def unview(node: Any, shape: tuple, what: str, claims: set) -> Node:
+    """``node`` is a row-major reshape (chain of views) of a tensor of ``shape``; that tensor."""
+    src = node
+    while op_name(src) in _VIEWS or (op_name(src) == "cast" and is_plumbing(src)):
+        claims.add(src)
+        src = src.args[0] if src.args and isinstance(src.args[0], Node) else bind(src).get("input")
+        v = val(src)
+        if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(shape):
+            return src
+    v = val(src)
+    require(isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(shape), f"{what} is not a reshape of a "
+            f"{list(shape)} tensor", node)
+    return src
+
+
+def cast_to(node: Any, dtype: torch.dtype, what: str, claims: set) -> Node:
+    """``node`` is a cast to ``dtype`` (or already of it, through plumbing): the source tensor."""
+    node = skip_identity(node, claims)
+    if op_name(node) == "cast":
+        b = bind(node)
+        require(b is not None and b.get("dtype") == dtype, f"{what} is cast to {b and b['dtype']}, not {dtype}", node)
+        claims.add(node)
+        return b["input"]
+    require(dtype_of(node) == dtype, f"{what} is {dtype_of(node)}, not {dtype}", node)
+    return node
+
+
+def upcast_from(node: Any, src_dtype: torch.dtype, what: str, claims: set) -> Node:
+    """``node`` is an exact FP32 copy of a ``src_dtype`` tensor (one upcast, or an FP32 tensor when
+    ``src_dtype`` is FP32): that tensor."""
+    src = cast_to(node, torch.float32, what, claims)
+    require(dtype_of(src) == src_dtype, f"{what} is cast to FP32 from {dtype_of(src)}, not {src_dtype}", node)
+    return skip_identity(src, claims)
+
+
+def fp32_use(node: Any, what: str, claims: set) -> Node:
+    """``node`` is a tensor used in FP32 exactly as stored: an FP32 tensor, or one upcast of a BF16 /
+    FP32 one; the stored tensor (a parameter, checked by the caller)."""
+    src = cast_to(node, torch.float32, what, claims)
+    require(dtype_of(src) in (torch.bfloat16, torch.float32), f"{what} is upcast from {dtype_of(src)}", node)
+    return skip_identity(src, claims)
+
+
+# ---- linears -------------------------------------------------------------------------------------
+
+def transposed(node: Any) -> Node | None:
+    """If ``node`` is a 2-D transpose of some tensor (``w.t()``, ``w.T``, ``transpose``, ``permute``), that tensor."""
+    name = op_name(node)
+    v = val(node)
+    if not isinstance(v, torch.Tensor) or v.dim() != 2:
+        return None
+    if name == "t":
+        return bind(node)["input"]
+    if name == "transpose":
+        b = bind(node)
+        return b["input"] if b and {int(b["dim0"]) % 2, int(b["dim1"]) % 2} == {0, 1} else None
+    if name == "permute":
+        args = node.args[1:]
+        dims = args[0] if len(args) == 1 and isinstance(args[0], (list, tuple)) else args
+        dims = dims or node.kwargs.get("dims", ())
+        return node.args[0] if [int(d) % 2 for d in dims] == [1, 0] else None
+    if name == "getattr" and node.args[1] in ("T", "mT"):
+        return node.args[0]
+    return None
+
+
+_EINSUM_2D = re.compile(r"^([a-z])([a-z]),([a-z])\2->\1\3$")
+_EINSUM_ND = re.compile(r"^\.\.\.([a-z]),([a-z])\1->\.\.\.\2$")
+
+
+@dataclasses.dataclass
+class Linear:
+    """``x W^T (+ bias)``: the nodes of input, weight and bias (None), and the call."""
+
+    x: Node
+    w: Node
+    bias: Any
+    node: Node
+
+
+def linear_of(node: Any, claims: set | None = None) -> Linear | None:
+    """If ``node`` is ``x W^T (+ b)`` however spelled, its parts (claiming the call and the weight's
+    transpose); else None.
+
+    Spellings: ``F.linear`` (positional or keyword), ``x @ W.t()``, ``torch.matmul``/``mm``/``.matmul``
+    with a transposed weight, ``torch.addmm(b, x, W.t())`` (beta = alpha = 1), ``torch.einsum("tk,nk->tn",
+    x, W)`` (any letters, or ``"...k,nk->...n"``), and the aten forms ``mm(x, permute(W, [1, 0]))``.
+    """
+    name = op_name(node)
+    if name == "linear":
+        b = bind(node)
+        if b is None or b.get("input") is None or b.get("weight") is None:
+            return None
+        lin = Linear(b["input"], b["weight"], b["bias"], node)
+    elif name in ("matmul", "mm"):
+        b = bind(node)
+        w = transposed(b["other"]) if b else None
+        if w is None:
+            return None
+        if claims is not None:
+            claims.add(b["other"])
+        lin = Linear(b["input"], w, None, node)
+    elif name == "addmm":
+        b = bind(node)
+        w = transposed(b["mat2"]) if b else None
+        if w is None or b.get("beta", 1) != 1 or b.get("alpha", 1) != 1:
+            return None
+        if claims is not None:
+            claims.add(b["mat2"])
+        lin = Linear(b["mat1"], w, b["input"], node)
+    elif name == "einsum":
+        args = list(node.args)
+        eq = args[0] if args and isinstance(args[0], str) else None
+        ops = args[1:] if eq else []
+        if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
+            ops = list(ops[0])
+        if eq is None or len(ops) != 2 or node.kwargs:
+            return None
+        eq = eq.replace(" ", "")
+        m = _EINSUM_2D.match(eq) or _EINSUM_ND.match(eq)
+        if m is None or len(set(m.groups())) != len(m.groups()):
+            return None
+        lin = Linear(ops[0], ops[1], None, node)
     else:
-        raise NoMatch("expected an RMSNorm", node)
-    xf, r = None, None
-    for a, b in (normed.args, normed.args[::-1]):
-        if is_call(b, aten.rsqrt):
-            xf, r = a, b
-    require(r is not None, "expected an RMSNorm (no rsqrt)", node)
-    ms_eps = _binary(r.args[0], aten.add, scalar=True)
-    require(ms_eps is not None, "RMSNorm without eps", r)
-    ms, eps = ms_eps
-    require(is_call(ms, aten.mean) and _is_last_dim(xf, arg(ms, 1, "dim")) and arg(ms, 2, "keepdim", False) is True,
-            "RMSNorm is not a mean over the last dim", ms)
-    sq = ms.args[0]
-    require(_binary(sq, aten.pow, scalar=True) == (xf, 2) or _other(sq, aten.mul, xf) is xf,
-            "RMSNorm does not square its input", sq)
-    require(is_cast(xf, torch.float32), "RMSNorm input is not cast to FP32", xf)
-    require(val(w) is not None and val(w).dtype == torch.float32, "RMSNorm weight is not FP32", w)
-    if into is not None:
-        into.update({node, inner, normed, r, r.args[0], ms, sq, xf} | ({w} if is_cast(w) else set()))
-    return uncast(xf), uncast(w), float(eps)
+        return None
+    wv = val(lin.w)
+    if not isinstance(wv, torch.Tensor) or wv.dim() != 2 or not isinstance(lin.x, Node):
+        return None
+    if claims is not None:
+        claims.add(node)
+    return lin
 
 
-def match_layer_norm(node: Any, into: set | None = None) -> tuple[Node, Node, Node, float]:
-    """``F.layer_norm(x.float(), shape, w.float(), b.float(), eps).to(dtype)`` -> (x, w, b, eps).
+def linear(node: Any, what: str, claims: set, bias: bool = False) -> Linear:
+    """``node`` is a bias-free linear (or with a bias when ``bias``): its parts; NoMatch otherwise."""
+    lin = linear_of(node, claims)
+    require(lin is not None, f"{what} is not a linear (x W^T)", node if isinstance(node, Node) else None)
+    if not bias:
+        require(lin.bias is None, f"{what} has a bias", node)
+    return lin
+
+
+# ---- last-dim parts (split, chunk, slices, narrow) -------------------------------------------------
+
+def _split_bounds(node: Node) -> tuple[Node, list[tuple[int, int]]] | None:
+    """A last-dim split / chunk of ``input``: (input, [(lo, hi) per part])."""
+    b = bind(node)
+    name = op_name(node)
+    if b is None or not last_dim(b.get("input"), b.get("dim")):
+        return None
+    size = val(b["input"]).shape[-1]
+    if not isinstance(size, int):
+        return None
+    if name == "split":
+        s = b["split_size_or_sections"]
+        if isinstance(s, int) and not isinstance(s, bool) and s > 0:
+            sizes = [min(s, size - i) for i in range(0, size, s)]
+        elif isinstance(s, (list, tuple)) and all(isinstance(v, int) for v in s) and sum(s) == size:
+            sizes = list(s)
+        else:
+            return None
+    elif name == "chunk":
+        n = b["chunks"]
+        if not isinstance(n, int) or n <= 0:
+            return None
+        step = -(-size // n)
+        sizes = [min(step, size - i) for i in range(0, size, step)]
+    else:
+        return None
+    bounds, lo = [], 0
+    for s in sizes:
+        bounds.append((lo, lo + s))
+        lo += s
+    return b["input"], bounds
+
+
+def _slice_bounds(s: Any, size: int) -> tuple[int, int] | None:
+    if not isinstance(s, slice) or s.step not in (None, 1):
+        return None
+    lo, hi = s.start, s.stop
+    if not all(v is None or (isinstance(v, int) and not isinstance(v, bool)) for v in (lo, hi)):
+        return None
+    lo, hi, _ = slice(lo, hi).indices(size)
+    return (lo, max(lo, hi))
+
+
+def _direct_part(node: Any) -> tuple[Node, int, int] | None:
+    """One level: ``node`` is the last-dim range [lo, hi) of some tensor: (tensor, lo, hi)."""
+    name = op_name(node)
+    if name == "getitem":
+        src, index = node.args
+        if isinstance(src, Node) and op_name(src) in ("split", "chunk"):
+            sb = _split_bounds(src)
+            if sb is None or not isinstance(index, int) or not -len(sb[1]) <= index < len(sb[1]):
+                return None
+            lo, hi = sb[1][index]
+            return sb[0], lo, hi
+        v = val(src)
+        if not isinstance(v, torch.Tensor) or not isinstance(v.shape[-1], int):
+            return None
+        idx = index if isinstance(index, tuple) else (index,)
+        if len(idx) == 2 and idx[0] is Ellipsis:
+            last = idx[1]
+        elif len(idx) == v.dim() and all(isinstance(i, slice) and i == slice(None) for i in idx[:-1]):
+            last = idx[-1]
+        else:
+            return None
+        bounds = _slice_bounds(last, v.shape[-1])
+        return (src, *bounds) if bounds else None
+    if name in ("slice", "narrow"):
+        b = bind(node)
+        if b is None or not last_dim(b["input"], b["dim"]):
+            return None
+        size = val(b["input"]).shape[-1]
+        if name == "slice":
+            if b["step"] != 1:
+                return None
+            lo, hi = b["start"], b["end"]
+            bounds = _slice_bounds(slice(lo, hi if hi is None or hi < (1 << 62) else None), size)
+        else:
+            start, length = b["start"], b["length"]
+            if not isinstance(start, int) or not isinstance(length, int):
+                return None
+            start = start + size if start < 0 else start
+            bounds = (start, start + length) if 0 <= start and start + length <= size else None
+        return (b["input"], *bounds) if bounds else None
+    return None
+
+
+def part_of(node: Any, claims: set | None = None) -> tuple[Node, int, int] | None:
+    """If ``node`` is the last-dim range [lo, hi) of a tensor, through nested splits, chunks, slices
+    and narrows (ranges composed): (that tensor, lo, hi), claiming the nodes on the way; else None."""
+    got = _direct_part(node)
+    if got is None:
+        return None
+    path = [node]
+    src, lo, hi = got
+    if op_name(node) == "getitem" and op_name(node.args[0]) in ("split", "chunk"):
+        path.append(node.args[0])
+    inner = part_of(src, claims)
+    if inner is not None:
+        src, lo, hi = inner[0], inner[1] + lo, inner[1] + hi
+    if claims is not None:
+        claims.update(path)
+    return src, lo, hi
+
+
+# ---- norms -------------------------------------------------------------------------------------
+
+def _factors(node: Any, claims: set) -> list:
+    """The operands of a tree of ``mul`` calls rooted at ``node`` (claiming the muls)."""
+    if op_name(node) == "mul":
+        b = bind(node)
+        if b is not None:
+            claims.add(node)
+            return _factors(b["input"], claims) + _factors(b["other"], claims)
+    return [node]
+
+
+def _other(node: Any, name: str, one: Any) -> Any:
+    """The operand of commutative ``name`` call ``node`` that is not ``one`` (None if neither is)."""
+    b = bind(node) if op_name(node) == name else None
+    if b is None:
+        return None
+    a, c = b["input"], b["other"]
+    return c if a is one else a if c is one else None
+
+
+def _match_rsqrt_ms(r: Any, xf: Node, claims: set, what: str) -> float:
+    """``rsqrt(mean(xf^2, -1, keepdim) + eps)``: returns eps."""
+    rb = call(r, "rsqrt", f"{what}: the normalizer", claims)
+    add = rb["input"]
+    ab = call(add, "add", f"{what}: mean square + eps", claims)
+    require(ab.get("alpha", 1) == 1, f"{what}: eps is added with alpha {ab.get('alpha')}", add)
+    ms, eps = ab["input"], scalar(ab["other"])
+    if eps is None:
+        ms, eps = ab["other"], scalar(ab["input"])
+    require(eps is not None, f"{what}: eps is not a constant", add)
+    mb = call(ms, "mean", f"{what}: mean square", claims)
+    require(last_dim(mb["input"], mb["dim"]) and mb.get("keepdim") is True and mb.get("dtype") is None,
+            f"{what}: the mean is not over the last dim with keepdim", ms)
+    sq = mb["input"]
+    name = op_name(sq)
+    if name == "pow":
+        pb = call(sq, "pow", f"{what}: square", claims)
+        require(pb["input"] is xf and scalar(pb["exponent"]) == 2.0, f"{what} does not square its input", sq)
+    elif name == "square":
+        require(call(sq, "square", f"{what}: square", claims)["input"] is xf, f"{what} does not square its input", sq)
+    else:
+        mb2 = call(sq, "mul", f"{what}: square", claims)
+        require(mb2["input"] is xf and mb2["other"] is xf, f"{what} does not square its input", sq)
+    return eps
+
+
+def match_rms_norm(node: Any, what: str, claims: set) -> tuple[Node, Node, float]:
+    """``node`` is the stock RMSNorm ``F.rms_norm(x.float(), (D,), w.float(), eps).to(x.dtype)`` -> (x, w, eps).
+
+    Also written out by hand, as the post-grad graph decomposes it: ``xf * rsqrt(mean(xf^2, -1,
+    keepdim) + eps) * wf``, multiplied in that order (another order rounds differently). The input
+    is a BF16 tensor upcast once, the weight a parameter used in FP32, the result cast back to BF16.
+    """
+    inner = cast_to(node, torch.bfloat16, f"{what} output", claims)
+    require(dtype_of(inner) == torch.float32, f"{what} is computed in {dtype_of(inner)}, not FP32", inner)
+    if op_name(inner) == "rms_norm":
+        b = call(inner, "rms_norm", what, claims)
+        xf, wf, eps = b["input"], b["weight"], b["eps"]
+        require(wf is not None, f"{what} has no weight", inner)
+        require(isinstance(eps, float), f"{what}: eps is {eps!r}, not a constant", inner)
+        shape = b["normalized_shape"]
+        require(isinstance(shape, (list, tuple)) and len(shape) == 1 and shape[0] == val(xf).shape[-1],
+                f"{what} normalizes over {shape}, not the last dim", inner)
+    else:
+        outer = call(inner, "mul", what, claims)
+        wf, normed = None, None
+        for a, c in ((outer["input"], outer["other"]), (outer["other"], outer["input"])):
+            if op_name(a) == "mul":
+                normed, wf = a, c
+                break
+        require(normed is not None, f"{what} is not x * rsqrt(mean(x^2) + eps) * w", inner)
+        nb = call(normed, "mul", what, claims)
+        xf = r = None
+        for a, c in ((nb["input"], nb["other"]), (nb["other"], nb["input"])):
+            if op_name(c) == "rsqrt":
+                xf, r = a, c
+        require(r is not None, f"{what} has no rsqrt(mean square + eps)", normed)
+        eps = _match_rsqrt_ms(r, xf, claims, what)
+    x = upcast_from(xf, torch.bfloat16, f"{what} input", claims)
+    return x, fp32_use(wf, f"{what} weight", claims), float(eps)
+
+
+def match_layer_norm(node: Any, what: str, claims: set) -> tuple[Node, Node, Node, float]:
+    """``node`` is ``F.layer_norm(x.float(), (D,), w.float(), b.float(), eps).to(x.dtype)`` -> (x, w, b, eps).
 
     Post-grad (decomposed) form: ``xf = convert(x, f32); var, mean = var_mean(xf, [-1],
-    correction=0, keepdim); convert(add(mul(mul(sub(xf, mean), rsqrt(add(var, eps))), w), b), dtype)``.
+    correction=0, keepdim); convert(add(mul(mul(sub(xf, mean), rsqrt(add(var, eps))), w), b), bf16)``.
     """
-    inner = node.args[0] if is_cast(node) else node
-    if is_call(inner, F.layer_norm, torch.layer_norm):
-        w, b, eps = arg(inner, 2, "weight"), arg(inner, 3, "bias"), arg(inner, 4, "eps")
-        require(w is not None and b is not None and isinstance(eps, float), "LayerNorm without weight/bias/eps", node)
-        return uncast(inner.args[0]), uncast(w), uncast(b), eps
-    require(is_call(inner, aten.add) and _binary(inner, aten.add) is not None, "expected a LayerNorm", node)
-    for scaled, b in (inner.args, inner.args[::-1]):
-        if is_call(scaled, aten.mul):
-            break
+    inner = cast_to(node, torch.bfloat16, f"{what} output", claims)
+    require(dtype_of(inner) == torch.float32, f"{what} is computed in {dtype_of(inner)}, not FP32", inner)
+    if op_name(inner) == "layer_norm":
+        b = call(inner, "layer_norm", what, claims)
+        xf, wf, bf, eps = b["input"], b["weight"], b["bias"], b["eps"]
+        require(wf is not None and bf is not None, f"{what} has no weight or bias", inner)
+        require(isinstance(eps, float), f"{what}: eps is {eps!r}, not a constant", inner)
+        shape = b["normalized_shape"]
+        require(isinstance(shape, (list, tuple)) and len(shape) == 1 and shape[0] == val(xf).shape[-1],
+                f"{what} normalizes over {shape}, not the last dim", inner)
     else:
-        raise NoMatch("expected a LayerNorm (no affine scale)", node)
-    for normed, w in (scaled.args, scaled.args[::-1]):
-        if is_call(normed, aten.mul) and any(is_call(a, aten.rsqrt) for a in normed.args):
-            break
-    else:
-        raise NoMatch("expected a LayerNorm (no normalization)", node)
-    centered, r = normed.args if is_call(normed.args[1], aten.rsqrt) else normed.args[::-1]
-    sub = _binary(centered, aten.sub)
-    require(sub is not None, "LayerNorm does not center its input", centered)
-    xf, mean = sub
-    var_eps = _binary(r.args[0], aten.add, scalar=True)
-    require(var_eps is not None, "LayerNorm without eps", r)
-    var, eps = var_eps
-    gv, gm = getitem_of(var), getitem_of(mean)
-    require(gv is not None and gm is not None and gv[0] is gm[0] and (gv[1], gm[1]) == (0, 1),
-            "LayerNorm statistics are not one var_mean", r)
-    vm = gv[0]
-    require(is_call(vm, aten.var_mean) and vm.args[0] is xf and _is_last_dim(xf, arg(vm, 1, "dim"))
-            and vm.kwargs.get("correction") == 0 and vm.kwargs.get("keepdim") is True,
-            "LayerNorm statistics are not a biased var_mean over the last dim", vm)
-    require(is_cast(xf, torch.float32), "LayerNorm input is not cast to FP32", xf)
-    for p, what in ((w, "weight"), (b, "bias")):
-        require(val(p) is not None and val(p).dtype == torch.float32, f"LayerNorm {what} is not FP32", p)
-    if into is not None:
-        into.update({node, inner, scaled, normed, centered, r, r.args[0], var, mean, vm, xf}
-                    | {p for p in (w, b) if is_cast(p)})
-    return uncast(xf), uncast(w), uncast(b), float(eps)
+        ab = call(inner, "add", what, claims)
+        require(ab.get("alpha", 1) == 1, f"{what}: the bias is added with alpha", inner)
+        scaled = next((a for a in (ab["input"], ab["other"]) if op_name(a) == "mul"), None)
+        require(scaled is not None, f"{what} has no affine scale", inner)
+        bf = _other(inner, "add", scaled)
+        sb = call(scaled, "mul", what, claims)
+        normed = next((a for a in (sb["input"], sb["other"]) if op_name(a) == "mul"
+                       and any(op_name(o) == "rsqrt" for o in bind(a).values() if isinstance(o, Node))), None)
+        require(normed is not None, f"{what} has no normalization", scaled)
+        wf = _other(scaled, "mul", normed)
+        nb = call(normed, "mul", what, claims)
+        centered, r = (nb["input"], nb["other"]) if op_name(nb["other"]) == "rsqrt" else (nb["other"], nb["input"])
+        cb = call(centered, "sub", f"{what} centering", claims)
+        require(cb.get("alpha", 1) == 1, f"{what}: centering with alpha", centered)
+        xf, mean = cb["input"], cb["other"]
+        rb = call(r, "rsqrt", what, claims)
+        vb = call(rb["input"], "add", f"{what}: var + eps", claims)
+        var, eps = vb["input"], scalar(vb["other"])
+        require(eps is not None and vb.get("alpha", 1) == 1, f"{what}: eps is not a constant", rb["input"])
+        gv, gm = getitem_of(var), getitem_of(mean)
+        require(gv is not None and gm is not None and gv[0] is gm[0] and (gv[1], gm[1]) == (0, 1),
+                f"{what}: statistics are not one var_mean", r)
+        vm = gv[0]
+        require(is_call(vm, aten.var_mean) and vm.args[0] is xf and last_dim(xf, vm.args[1] if len(vm.args) > 1
+                                                                             else vm.kwargs.get("dim"))
+                and vm.kwargs.get("correction") == 0 and vm.kwargs.get("keepdim") is True,
+                f"{what}: statistics are not a biased var_mean over the last dim", vm)
+        claims.update({var, mean, vm})
+    x = upcast_from(xf, torch.bfloat16, f"{what} input", claims)
+    return x, fp32_use(wf, f"{what} weight", claims), fp32_use(bf, f"{what} bias", claims), float(eps)
 
+
+# ---- expression trees --------------------------------------------------------------------------
+
+_COMMUTATIVE = ("mul", "add")
+
+
+def match_tree(node: Any, pattern: tuple, binds: dict, claims: set) -> bool:
+    """Match ``node`` against ``pattern``, binding variables in ``binds`` and claiming matched calls.
+
+    Patterns: ``("var", name)`` binds a node (through plumbing; one name, one node), ``("const", c)``
+    a Python number equal to ``c``, ``(op, *operands)`` a call of canonical ``op`` with those operands
+    (``mul`` and ``add`` in either order; ``add`` / ``sub`` with alpha 1, ``div`` without rounding).
+    On failure ``binds`` and ``claims`` are left as they were.
+    """
+    kind = pattern[0]
+    if kind == "var":
+        n = skip_identity(node) if isinstance(node, Node) else node
+        if not isinstance(n, Node) or binds.get(pattern[1], n) is not n:
+            return False
+        if isinstance(node, Node) and n is not node:
+            skip_identity(node, claims)
+        binds[pattern[1]] = n
+        return True
+    if kind == "const":
+        return scalar(node) == float(pattern[1])
+    b = bind(node) if op_name(node) == kind else None
+    if b is None or b.get("alpha", 1) != 1 or b.get("rounding_mode") is not None:
+        return False
+    operands = [b[k] for k in ("input", "other") if k in b][: len(pattern) - 1] if len(pattern) > 2 \
+        else [b["input"]]
+    orders = [operands, operands[::-1]] if kind in _COMMUTATIVE else [operands]
+    for order in orders:
+        trial_b, trial_c = dict(binds), set(claims)
+        if all(match_tree(o, p, trial_b, trial_c) for o, p in zip(order, pattern[1:])):
+            binds.clear(); binds.update(trial_b)  # noqa: E702
+            claims.clear(); claims.update(trial_c | {node})  # noqa: E702
+            return True
+    return False
+
+
+# ---- module paths ------------------------------------------------------------------------------
 
 _LAYER_RE = re.compile(r"layers[\.\[]\'?(\d+)")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import logging
 import time
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
+from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from dep_compile.config import DepOptions
@@ -66,13 +68,16 @@ class DepPassManager:
             for found in p.find(gm.graph):
                 if p.kind != "mla" and p.kind not in self.options.kinds:
                     rows.append(LayerMatch(found.layer, found.module, p.kind, False,
-                                           f"policy: kind {p.kind!r} not in options kinds {self.options.kinds}", p.stock_op))
+                                           f"policy: kind {p.kind!r} not in options kinds {self.options.kinds}", p.stock_op,
+                                           check="policy"))
                     continue
                 rows.append(p.apply(ctx, found))
         gm.graph.lint()
         gm.recompile()
         rows.sort(key=lambda m: (m.layer if m.layer is not None else 1 << 30, m.kind == "moe"))
-        report = MatchReport(graph_name, rows, time.perf_counter() - t0, self.options.fingerprint())
+        for m in rows:  # as Inductor counts its pattern matches
+            counters["kimi_dep"][f"{m.kind}_{'rewritten' if m.rewritten else 'stock'}"] += 1
+        report = MatchReport(graph_name, rows, time.perf_counter() - t0, self.options.fingerprint(), ctx.validate_seconds)
         record(report)
         dump.emit_trace_artifact(report)
         if self.options.dump_dir:
@@ -86,11 +91,19 @@ class DepPassManager:
                 log.warning("kimi_dep: %s %s left stock: %s", m.kind, m.module, m.reason)
         return RewriteResult(report, ctx.finalizers)
 
+    @staticmethod
+    def hashed_files() -> list[Path]:
+        """The sources a rewritten graph depends on: every pass file, the prepared-layer registry and
+        each class a compiled graph bakes in (``registry.prepared``: the Prepared* layers, DepProjection)."""
+        from dep_compile.ops import registry
+
+        baked = {Path(inspect.getsourcefile(c)) for c in registry._CLASSES.values()} | {Path(registry.__file__)}
+        return [*sorted(Path(__file__).parent.glob("*.py")), *sorted(baked)]
+
     def uuid(self, *extra_files: Path) -> str:
-        """Stable over processes: a hash of every pass file's source (and ``extra_files``) and of the options."""
+        """Stable over processes: a hash of the options and of :meth:`hashed_files` (and ``extra_files``)."""
         h = hashlib.sha256()
-        here = Path(__file__).parent
-        for f in [*sorted(here.glob("*.py")), *extra_files]:
+        for f in [*self.hashed_files(), *extra_files]:
             h.update(f.name.encode())
             h.update(f.read_bytes())
         h.update(self.options.fingerprint().encode())
@@ -98,7 +111,7 @@ class DepPassManager:
 
 
 class DepPostGradPass(CustomGraphPass):
-    """The passes as an Inductor ``post_grad_custom_post_pass`` (hook (b) of design.md §5, post-grad).
+    """The passes as an Inductor ``post_grad_custom_post_pass`` (hook (b) of docs/design.md §5.2, post-grad).
 
     Install with ``torch._inductor.config.post_grad_custom_post_pass = DepPostGradPass(options)``
     and compile with plain Inductor. It holds only the options dict, so it pickles and deep-copies;

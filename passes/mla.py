@@ -19,4 +19,5 @@ class MlaPass(LayerPass):
     stock_op = "kimi_k3.mla_decode"
 
     def apply(self, ctx: PassContext, found: Found) -> LayerMatch:
-        return LayerMatch(found.layer, found.module, self.kind, False, "policy: MLA layers stay stock", self.stock_op)
+        return LayerMatch(found.layer, found.module, self.kind, False, "policy: MLA layers stay stock", self.stock_op,
+                          check="policy")

@@ -1,133 +1,151 @@
-"""MoE: router | latent down-proj -> kimi_k3.routed_experts -> latent RMSNorm -> up-proj (+ shared expert)
-==>  kimi_dep.moe (the EpMoeLayer schedule) over a packed [shared gate_up | latent down] front."""
+"""MoE: router | latent down-proj -> kimi_k3.routed_experts -> latent RMSNorm -> up-proj, + shared SiTU expert
+==>  kimi_dep.moe (the EpMoeLayer schedule) over a packed [shared gate_up | latent down] front.
+
+Unfused (conceptually)::
+
+    scores = sigmoid(linear(x.float(), W_gate.float()))               # FP32 [T, E]
+    ids = topk(scores + bias, k, dim=-1, largest=True).indices        # bias steers selection only
+    w = gather(scores, -1, ids); w = w / w.sum(-1, keepdim=True) * scale   # FP32, into the experts
+    routed = kimi_k3.routed_experts(down(x), w13, w2, w, ids, start, ep, beta, beta_lin)
+    out = up(rms(routed)) + down_s(situ(gate_up(x)))                   # situ with the experts' betas
+
+Fused replacement: ``kimi_dep.moe(x, [gate_up_w, down_w], W_gate, bias, w13, w2, norm_w, up_w, down_s_w, layer)``.
+
+Checks (``dep_moe_supported``): every op of the router, the latent norm and SiTU as written above
+(constants, dims, ``largest``, ``keepdim``, each cast and its place, gate before up in gate_up), top-k =
+``moe_top_k``, FP32 routing weights into the experts, BF16 weights, experts divisible over the EP
+group; every other node plumbing; then translation validation.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import operator
 
 import torch
-import torch.nn.functional as F
 
 from dep_compile.ops.moe import EpMoeLayer
 from dep_compile.ops.projection import DepProjection
-from dep_compile.ops.registry import register
 
 from .base import Found, LayerPass, PassContext, check_bf16
-from .fx_match import (NoMatch, arg, as_linear, getitem_of, is_call, is_cast, match_rms_norm, op_args, require,
-                       single_user, split_sizes, strip_casts, transposed, uncast, val)
+from .fx_match import (NoMatch, call, cast_to, dtype_of, fp32_use, last_dim, linear, linear_of, match_rms_norm,
+                       match_tree, op_args, op_name, part_of, require, scalar, skip_identity, upcast_from, val)
 
-aten = torch.ops.aten
 Node = torch.fx.Node
 EXPERTS = torch.ops.kimi_k3.routed_experts
 MOE = torch.ops.kimi_dep.moe
+# SiTU as the references write it: ((beta * tanh(g / beta)) * sigmoid(g)) * (beta_lin * tanh(u / beta_lin))
+SITU = ("mul", ("mul", ("mul", ("const", "beta"), ("tanh", ("div", ("var", "g"), ("const", "beta")))),
+                ("sigmoid", ("var", "g"))),
+        ("mul", ("const", "beta_lin"), ("tanh", ("div", ("var", "u"), ("const", "beta_lin")))))
 
 
-def _const(node, *candidates):
-    """The scalar operand of a binary node whose other operand is one of ``candidates``."""
-    a, b = node.args[:2]
-    if a in candidates and isinstance(b, (int, float)):
-        return float(b)
-    if b in candidates and isinstance(a, (int, float)):
-        return float(a)
-    return None
+def _with(pattern, consts: dict):
+    """``pattern`` with its named constants replaced by values."""
+    if pattern[0] == "const" and isinstance(pattern[1], str):
+        return ("const", consts[pattern[1]])
+    if pattern[0] in ("var", "const"):
+        return pattern
+    return (pattern[0], *(_with(p, consts) for p in pattern[1:]))
 
 
-def match_router(ids_node, weights_node, top_k_expected: int):
-    """Check the one-group sigmoid top-k router; return (x, gate_w, bias, top_k, scale, region).
-
-    Expected: logits = linear(x.float(), W.float()); scores = sigmoid(logits);
-    ids = topk(scores + bias, k).indices; w = gather(scores, ids); w = w / w.sum(-1) * scale.
-    """
-    gi_node = strip_casts(ids_node)
-    gi = getitem_of(gi_node)
-    require(gi is not None and gi[1] == 1 and is_call(gi[0], torch.topk, "topk", aten.topk),
-            "topk_ids are not topk(...).indices", ids_node)
-    topk = gi[0]
-    keyed = topk.args[0]
-    k = arg(topk, 1, "k")
-    if is_call(topk, aten.topk):  # post-grad: topk(x, k, dim=-1, largest=True, sorted=True), all positional
-        dim, largest = arg(topk, 2, "dim", -1), arg(topk, 3, "largest", True)
-        require(dim in (-1, val(keyed).dim() - 1) and largest is True, "topk is not the largest over the experts", topk)
-    require(is_call(keyed, operator.add, torch.add, aten.add) and len(keyed.args) == 2
-            and keyed.kwargs.get("alpha", 1) == 1, "expert selection is not scores + correction bias "
-            "(grouped top-k, n_group > 1, or no bias)", keyed)
-    scores, bias = keyed.args
-    if is_call(scores, torch.softmax, F.softmax, "softmax", aten._softmax, aten.softmax):
+def match_router(ids_node, weights_node, top_k_expected: int, claimed: set):
+    """Check the one-group sigmoid top-k router; return (x, gate_w, bias, top_k, scale)."""
+    ids = skip_identity(ids_node, claimed)
+    if op_name(ids) == "cast":  # int64 ids read as int32 (or back): the values are expert indices
+        require(dtype_of(ids) in (torch.int32, torch.int64), "topk_ids are cast to a non-integer dtype", ids)
+        ids = skip_identity(call(ids, "cast", "topk_ids", claimed)["input"], claimed)
+    require(op_name(ids) == "getitem" and ids.args[1] == 1, "topk_ids are not topk(...).indices", ids_node)
+    topk = call(ids.args[0], "topk", "the expert selection", claimed)
+    claimed.add(ids)
+    keyed = topk["input"]
+    require(topk["k"] == top_k_expected, f"top-k is {topk['k']}, expected {top_k_expected} (options moe_top_k)",
+            ids.args[0])
+    require(last_dim(keyed, topk["dim"]), "topk is not over the experts (last dim)", ids.args[0])
+    require(topk["largest"] is True, "topk does not select the largest scores", ids.args[0])
+    require(op_name(keyed) == "add", "expert selection is not sigmoid scores + correction bias (grouped top-k, "
+            "n_group > 1, or no bias)", keyed)
+    add = call(keyed, "add", "the selection key", claimed)
+    require(add.get("alpha", 1) == 1, "the selection key adds the bias with alpha", keyed)
+    scores, bias = add["input"], add["other"]
+    if op_name(bias) in ("sigmoid", "softmax") or not isinstance(scores, Node) or scores.op == "placeholder":
+        scores, bias = bias, scores
+    if op_name(scores) in ("softmax", "_softmax"):
         raise NoMatch("router scoring is softmax, not sigmoid", scores)
-    require(is_call(scores, torch.sigmoid, "sigmoid", aten.sigmoid), "router scores are not sigmoid(logits)", scores)
-    lin = as_linear(scores.args[0])
-    require(lin is not None and lin[2] is None, "router logits are not a linear of the hidden state", scores)
-    x, gate_w = uncast(lin[0]), uncast(lin[1])
-    require(val(scores).dtype == torch.float32, "router logits are not FP32", scores)
-    require(k == top_k_expected, f"top-k is {k}, expected {top_k_expected} (options moe_top_k)", topk)
-    # weights: ((gather(scores, 1, ids) / sum) * scale)
-    mul = strip_casts(weights_node)
-    require(is_call(mul, operator.mul, torch.mul, aten.mul), "topk_weights are not scaled by routed_scaling_factor", weights_node)
-    div = mul.args[0] if isinstance(mul.args[0], torch.fx.Node) else mul.args[1]
-    scale = _const(mul, div)
-    require(scale is not None and is_call(div, operator.truediv, torch.div, aten.div) and not div.kwargs,
-            "topk_weights are not renormalized", mul)
-    gather, total = div.args
-    require(is_call(gather, "gather", torch.gather, aten.gather) and gather.args[0] is scores
-            and strip_casts(arg(gather, 2, "index")) is gi_node,
-            "topk_weights are not the selected scores", div)
-    require(is_call(total, "sum", torch.sum, aten.sum) and total.args[0] is gather, "renormalization is not by the sum", total)
-    if is_call(total, aten.sum):
-        require(list(total.args[1]) in ([-1], [val(gather).dim() - 1]) and arg(total, 2, "keepdim", False) is True,
-                "renormalization is not a keepdim sum over the selected experts", total)
-    region = {topk, gi_node, keyed, scores, scores.args[0], mul, div, gather, total}
-    region |= {n for n in (ids_node, weights_node) if n.op in ("call_function", "call_method")}
-    return x, gate_w, bias, k, scale, region
+    require(op_name(scores) == "sigmoid", "expert selection is not sigmoid scores + correction bias "
+            "(grouped top-k, n_group > 1, another scoring, or no bias)", keyed)
+    logits = call(scores, "sigmoid", "router scores", claimed)["input"]
+    lin = linear(logits, "router logits", claimed)
+    require(dtype_of(logits) == torch.float32, "router logits are not FP32", logits)
+    x = upcast_from(lin.x, torch.bfloat16, "the router input", claimed)
+    gate_w = fp32_use(lin.w, "the router weight", claimed)
+    require(isinstance(bias, Node) and dtype_of(bias) == torch.float32, "the correction bias is not an FP32 tensor",
+            keyed)
+    # weights: (gather(scores, -1, ids) / sum) * scale, FP32 into the experts
+    w = skip_identity(weights_node, claimed)
+    require(dtype_of(w) == torch.float32, f"topk_weights reach the experts as {dtype_of(w)}, not FP32", weights_node)
+    mul = call(w, "mul", "the routing weights' scaling", claimed)
+    div, scale = mul["input"], scalar(mul["other"])
+    if scale is None:
+        div, scale = mul["other"], scalar(mul["input"])
+    require(scale is not None, "topk_weights are not scaled by a constant routed_scaling_factor", w)
+    d = call(div, "div", "the renormalization", claimed)
+    require(d.get("rounding_mode") is None, "the renormalization rounds", div)
+    gather, total = d["input"], d["other"]
+    g = call(gather, "gather", "the selected scores", claimed)
+    require(g["input"] is scores and last_dim(scores, g["dim"]) and skip_identity(g["index"], claimed) is ids,
+            "topk_weights are not the selected (unbiased) scores", gather)
+    s = call(total, "sum", "the renormalization's sum", claimed)
+    require(s["input"] is gather and last_dim(gather, s["dim"]) and s.get("keepdim") is True and s.get("dtype") is None,
+            "renormalization is not a keepdim sum over the selected experts", total)
+    return x, gate_w, bias, int(topk["k"]), scale
 
 
-def match_situ(out, beta, beta_lin):
-    """Check that ``out`` is SiTU(gate_up) with the experts' betas; return (gate_up, region)."""
-    region, stack, gate_up = set(), [out], None
-    allowed = {"float", "to", "chunk", torch.tanh, torch.sigmoid, operator.truediv, operator.mul, operator.getitem}
-    # post-grad spellings: casts, chunk(2) as an equal split, elementwise ops
-    post = (torch.ops.prims.convert_element_type.default, aten.tanh.default, aten.sigmoid.default, aten.div.Tensor,
-            aten.mul.Tensor)
-    consts = set()
-    while stack:
-        n = stack.pop()
-        if n in region:
-            continue
-        if as_linear(n) is not None:
-            gate_up = n if gate_up in (None, n) else None
-            require(gate_up is not None, "SiTU reads two projections", out)
-            continue
-        target = n.target
-        if is_call(n, aten.split):
-            sp = split_sizes(n)
-            require(sp is not None and len(sp[1]) == 2 and sp[1][0] == sp[1][1], "SiTU's gate|up split is not two halves", n)
-        else:
-            require(n.op in ("call_function", "call_method") and (target in allowed or target in post),
-                    f"unexpected op {target} inside SiTU", n)
-        region.add(n)
-        for a in n.args:
-            if isinstance(a, torch.fx.Node):
-                stack.append(a)
-            elif isinstance(a, float):
-                consts.add(a)
-    require(gate_up is not None, "shared expert has no gate_up projection", out)
-    require({beta, beta_lin} <= consts, f"SiTU constants {sorted(consts)} lack beta={beta}, beta_lin={beta_lin}", out)
-    return gate_up, region
+def match_situ(out, beta: float, beta_lin: float, claimed: set):
+    """``out`` is SiTU(gate_up) in FP32, rounded once to BF16, with the experts' betas: the gate_up linear."""
+    prod = cast_to(out, torch.bfloat16, "the SiTU output", claimed)
+    binds: dict = {}
+    require(dtype_of(prod) == torch.float32, "SiTU is not computed in FP32", prod)
+    require(match_tree(prod, _with(SITU, {"beta": beta, "beta_lin": beta_lin}), binds, claimed),
+            f"the shared expert's activation is not SiTU(beta={beta}, beta_lin={beta_lin}) of gate | up", prod)
+    g, u = part_of(binds["g"], claimed), part_of(binds["u"], claimed)
+    require(g is not None and u is not None and g[0] is u[0], "SiTU's gate and up are not halves of one tensor", prod)
+    width = val(g[0]).shape[-1]
+    require(g[1:] == (0, width // 2) and u[1:] == (width // 2, width) and width % 2 == 0,
+            f"SiTU reads gate columns [{g[1]}, {g[2]}) and up [{u[1]}, {u[2]}); expected the first and second "
+            f"halves of {width}", prod)
+    gate_up = upcast_from(g[0], torch.bfloat16, "gate_up", claimed)
+    return linear(gate_up, "the shared expert's gate_up_proj", claimed)
 
 
-def _decomposed_norm_output(xf):
-    """Post-grad RMSNorm from its FP32 input cast ``xf``: mul(xf, rsqrt) -> mul(., w) -> cast; the cast, or None."""
-    muls = [u for u in xf.users if is_call(u, aten.mul) and any(is_call(a, aten.rsqrt) for a in u.args)]
-    if len(muls) != 1:
-        return None
-    scaled = single_user(muls[0])
-    out = single_user(scaled) if scaled is not None else None
-    return out if is_cast(out) else None
+def _up_and_norm(R: Node, claimed: set):
+    """The up-projection reading RMSNorm(experts' output): (its Linear, norm weight, eps)."""
+    frontier, seen = [R], set()
+    for _ in range(16):
+        nxt = []
+        for n in frontier:
+            for u in n.users:
+                if u in seen:
+                    continue
+                seen.add(u)
+                lin = linear_of(u)
+                if lin is not None:
+                    trial = set(claimed)
+                    try:
+                        r_in, norm_w, eps = match_rms_norm(lin.x, "the latent RMSNorm", trial)
+                    except NoMatch:
+                        r_in = None
+                    if r_in is R:
+                        claimed |= trial
+                        linear(u, "the up-projection", claimed, bias=True)
+                        return lin, norm_w, eps
+                nxt.append(u)
+        frontier = nxt
+    raise NoMatch("no up-projection reads an RMSNorm of the experts' output", R)
 
 
 @dataclasses.dataclass
 class MoeMatch:
-    """A K3 MoE found by ``dep_moe_supported``: its input, weights, constants and matched region."""
+    """A K3 MoE found by ``dep_moe_supported``: its input, weights, constants and claimed nodes."""
 
     x: Node
     down_w: Node
@@ -145,7 +163,7 @@ class MoeMatch:
     shared_inter: int
     latent: int
     ep_size: int
-    region: set
+    claimed: set
 
 
 def dep_moe_supported(ctx: PassContext, R: Node) -> MoeMatch:
@@ -158,61 +176,44 @@ def dep_moe_supported(ctx: PassContext, R: Node) -> MoeMatch:
     """
     opts = ctx.options
     a = op_args(R, EXPERTS.default)
-    x_down = as_linear(a["x"])
-    require(x_down is not None and x_down[2] is None, "experts' input is not a latent down-projection", a["x"])
-    x, down_w, _ = x_down
-    rx, gate_w, bias, top_k, scale, region = match_router(a["topk_ids"], a["topk_weights"], opts.moe_top_k)
+    claimed = {R}
+    down = linear(skip_identity(a["x"], claimed), "the experts' input (latent down-projection)", claimed)
+    x = down.x
+    rx, gate_w, bias, top_k, scale = match_router(a["topk_ids"], a["topk_weights"], opts.moe_top_k, claimed)
     require(rx is x, "router and latent down-proj read different inputs", a["x"])
-    # routed -> RMSNorm -> up-proj -> + shared
-    n_user = single_user(R)
-    require(n_user is not None, "experts' output has several users", R)
-    norm_nodes: set = set()
-    if is_call(n_user, "float"):
-        normed = single_user(single_user(n_user))
-    elif is_cast(n_user, torch.float32):  # post-grad: the decomposed norm's output cast, past pow/mean/rsqrt/mul
-        normed = _decomposed_norm_output(n_user)
+    up, norm_w, norm_eps = _up_and_norm(R, claimed)
+    if up.bias is not None:  # post-grad: Inductor folded "+ shared" into addmm(shared, normed, up_w^T)
+        add, shared_out = up.node, up.bias
+        sd = linear(shared_out, "the shared expert's down_proj", claimed)
     else:
-        normed = None
-    require(normed is not None, "no latent RMSNorm after the experts", R)
-    r_in, norm_w, norm_eps = match_rms_norm(normed, into=norm_nodes)
-    require(r_in is R, "latent RMSNorm does not read the experts' output", normed)
-    up = single_user(normed)
-    up_lin = as_linear(up)
-    require(up_lin is not None and up_lin[0] is normed, "no up-projection after the latent norm", normed)
-    if up_lin[2] is not None:  # post-grad: Inductor folded "+ shared" into addmm(shared, normed, up_w^T)
-        add, shared_out, sd = up, up_lin[2], as_linear(up_lin[2])
-        require(sd is not None and sd[2] is None, "the up-projection's bias is not a shared expert's down_proj", up)
-    else:
-        add = single_user(up)
-        require(add is not None, "no shared expert: up-projection is not added to one", up)
-        if is_call(add, aten.addmm) and add.args[0] is up:  # post-grad: addmm(up, situ, down_w^T)
-            w = transposed(add.args[2]) if as_linear(add) is not None else None
-            require(w is not None, "the add's other operand is not a shared expert's down_proj", add)
-            shared_out, sd = add, (add.args[1], w, None)
+        users = list(up.node.users)
+        require(len(users) == 1, "no shared expert: the up-projection is not added to one", up.node)
+        add = users[0]
+        folded = linear_of(add)
+        if folded is not None and folded.bias is up.node:  # post-grad: addmm(up, situ, down_w^T)
+            sd = linear(add, "the shared expert's down_proj", claimed, bias=True)
         else:
-            require(is_call(add, operator.add, torch.add, aten.add) and add.kwargs.get("alpha", 1) == 1,
-                    "no shared expert: up-projection is not added to one", up)
-            shared_out = add.args[1] if add.args[0] is up else add.args[0]
-            sd = as_linear(shared_out)
-            require(sd is not None and sd[2] is None, "the add's other operand is not a shared expert's down_proj", add)
-    gate_up, situ_region = match_situ(sd[0], float(a["beta"]), float(a["beta_lin"]))
-    gu = as_linear(gate_up)
-    require(gu[0] is x and gu[2] is None, "shared expert reads another input than the router", gate_up)
-    gu_w, sd_w = gu[1], sd[1]
-    check_bf16("MoE activations/weights", x, down_w, gu_w, sd_w, up_lin[1], a["w13"], a["w2"])
-    shared_inter = ctx.param(sd_w, "shared down_proj").shape[1]
+            require(op_name(add) == "add", "no shared expert: the up-projection is not added to one", add)
+            ab = call(add, "add", "the sum of routed and shared outputs", claimed)
+            require(ab.get("alpha", 1) == 1, "routed and shared outputs are added with alpha", add)
+            shared_out = ab["other"] if ab["input"] is up.node else ab["input"]
+            require(up.node in (ab["input"], ab["other"]), "no shared expert added to the up-projection", add)
+            sd = linear(shared_out, "the add's other operand (a shared expert's down_proj)", claimed)
+    gu = match_situ(sd.x, float(a.get("beta")), float(a["beta_lin"]), claimed)
+    require(gu.x is x, "shared expert reads another input than the router", gu.node)
+    check_bf16("MoE activations/weights", x, down.w, gu.w, sd.w, up.w, a["w13"], a["w2"])
+    shared_inter = ctx.param(sd.w, "shared down_proj").shape[1]
     ep_size = int(a["ep_size"])
     E, E_local = ctx.param(gate_w, "router weight").shape[0], val(a["w13"]).shape[0]
     # ep_size 1 with fewer local experts: one rank's share run alone (benchmarks), no dispatch
     require(E == E_local * ep_size or (ep_size == 1 and E % E_local == 0),
             f"{E} experts != {E_local} local x EP size {ep_size}", R)
-    require(ctx.param(gu_w, "shared gate_up").shape[0] == 2 * shared_inter, "shared gate_up is not 2x down's width", gu_w)
-    latent = ctx.param(down_w, "latent down-proj").shape[0]
-    for w, what in ((gate_w, "router weight"), (up_lin[1], "up-proj"), (bias, "correction bias")):
+    require(ctx.param(gu.w, "shared gate_up").shape[0] == 2 * shared_inter, "shared gate_up is not 2x down's width", gu.w)
+    latent = ctx.param(down.w, "latent down-proj").shape[0]
+    for w, what in ((up.w, "up-proj"), (bias, "correction bias"), (norm_w, "latent norm weight")):
         ctx.param(w, what)
-    region |= {a["x"], R, normed, up, add, shared_out, gate_up} | situ_region | norm_nodes
-    return MoeMatch(x, down_w, gate_w, bias, norm_w, up_lin[1], gu_w, sd_w, add, a, top_k, scale, norm_eps,
-                    shared_inter, latent, ep_size, region)
+    return MoeMatch(x, down.w, gate_w, bias, norm_w, up.w, gu.w, sd.w, add, a, top_k, scale, norm_eps,
+                    shared_inter, latent, ep_size, claimed)
 
 
 class MoePass(LayerPass):
@@ -228,14 +229,13 @@ class MoePass(LayerPass):
         m = dep_moe_supported(ctx, found.anchor)
         a = m.args
         prepared = EpMoeLayer(
-            shared_inter=m.shared_inter, latent=m.latent, top_k=m.top_k, scale=m.scale, beta=float(a["beta"]),
+            shared_inter=m.shared_inter, latent=m.latent, top_k=m.top_k, scale=m.scale, beta=float(a.get("beta")),
             beta_lin=float(a["beta_lin"]), norm_eps=m.norm_eps, expert_start=int(a["expert_start"]), ep_size=m.ep_size,
             front_max=opts.front_max, front=DepProjection("moe_front", opts.projection_tables["moe_front"]),
         )
-        key = register(found.module, prepared)
-        region = ctx.verified_region(m.x, m.output, m.region)
-        front = ctx.pack([m.gu_w, m.down_w], "MoE front")
-        ctx.replace(region, m.output, MOE.default, (m.x, front, m.gate_w, m.bias, a["w13"], a["w2"], m.norm_w, m.up_w,
-                                                    m.sd_w, key), found.module)
+        front = [m.gu_w, m.down_w]
+        ctx.commit(found, x=m.x, output=m.output, claimed=m.claimed, target=MOE.default, args=(
+            m.x, front, m.gate_w, m.bias, a["w13"], a["w2"], m.norm_w, m.up_w, m.sd_w, None), prepared=prepared,
+            roles={}, shapes={}, pack=[(front, "MoE front")])
         op = "kimi_dep.moe" if m.ep_size == 1 else f"kimi_dep.moe[ep{m.ep_size}]"
         return op, {"moe_front": prepared.front.policies([b for b in opts.batches if b <= opts.front_max])}

@@ -35,7 +35,7 @@ def write_after(dump_dir: str, report: MatchReport, gm: fx.GraphModule) -> None:
     (d / f"{g}.1_after_passes.py").write_text(graph_code(gm))
     (d / f"{g}.report.json").write_text(report.to_json())
     (d / f"{g}.report.txt").write_text(report.table() + "\n")
-    misses = [dict(layer=m.layer, module=m.module, kind=m.kind, failed_check=m.reason, node=m.node)
+    misses = [dict(layer=m.layer, module=m.module, kind=m.kind, check=m.check, failed_check=m.reason, node=m.node)
               for m in report.near_misses()]
     (d / f"{g}.near_misses.json").write_text(json.dumps(misses, indent=2))
 

@@ -18,6 +18,8 @@ class LayerMatch:
     op: str  # the op now in the graph
     tactics: dict[str, dict[int, str]] = dataclasses.field(default_factory=dict)  # projection -> batch -> tactic
     node: str = ""  # the node a failed check names
+    check: str = ""  # which check left it stock: "structure", "semantic", "internal error" or "policy"
+    validation: str = ""  # rewritten: the translation-validation probe's numbers (or why it did not run)
 
     @property
     def status(self) -> str:
@@ -32,6 +34,7 @@ class MatchReport:
     layers: list[LayerMatch]
     pass_seconds: float = 0.0
     options: str = ""
+    validate_seconds: float = 0.0  # the part of pass_seconds spent in translation validation
 
     def rewritten(self, kind: str | None = None) -> list[LayerMatch]:
         return [m for m in self.layers if m.rewritten and (kind is None or m.kind == kind)]
@@ -52,7 +55,8 @@ class MatchReport:
         parts = [f"{k}: {len(self.rewritten(k))}/{len([m for m in self.layers if m.kind == k])}" for k in kinds]
         if not self.layers:
             return f"{self.graph}: no DSA, KDA, MoE or MLA subgraph found; nothing rewritten"
-        return f"{self.graph}: rewrote {self.num_rewritten} of {len(self.layers)} ({', '.join(parts)}) in {self.pass_seconds * 1e3:.1f} ms"
+        return (f"{self.graph}: rewrote {self.num_rewritten} of {len(self.layers)} ({', '.join(parts)}) in "
+                f"{self.pass_seconds * 1e3:.1f} ms (validation {self.validate_seconds * 1e3:.1f} ms)")
 
     def table(self) -> str:
         """A fixed-width text table, one row per subgraph."""
@@ -62,7 +66,8 @@ class MatchReport:
             if m.rewritten:
                 detail = "; ".join(f"{p}: {_bins(tab)}" for p, tab in m.tactics.items())
             else:
-                detail = m.reason + (f" [node {m.node}]" if m.node else "")
+                detail = ("structure check failed: " if m.check == "structure" else "") + m.reason \
+                    + (f" [node {m.node}]" if m.node else "")
             rows.append(("" if m.layer is None else str(m.layer), m.module, m.kind, m.status, m.op, detail))
         widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
         widths[-1] = len(head[-1])

@@ -13,10 +13,11 @@ from ..stock.reference.mla import split_kv_b
 from .fallbacks import log_fallback
 from .packing import packed_rows
 from .projection import DepProjection
-from .registry import lookup
+from .registry import lookup, prepared
 from .streams import side_stream
 
 
+@prepared
 @dataclasses.dataclass
 class PreparedDsa:
     """Sizes, norms' eps and projections of one DSA layer, prepared once at compile time."""

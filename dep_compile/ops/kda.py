@@ -11,9 +11,10 @@ from torch import Tensor
 from ..stock import ops as stock_ops
 from .fallbacks import log_fallback
 from .projection import DepProjection
-from .registry import lookup
+from .registry import lookup, prepared
 
 
+@prepared
 @dataclasses.dataclass
 class PreparedKda:
     """Sizes and projections of one KDA layer, prepared once at compile time."""

@@ -12,10 +12,11 @@ from torch import Tensor
 from ..stock.layers import renormalized_topk, situ
 from .packing import packed_rows
 from .projection import DepProjection
-from .registry import lookup
+from .registry import lookup, prepared
 from .streams import side_stream
 
 
+@prepared
 @dataclasses.dataclass
 class EpMoeLayer:
     """Sizes, routing constants and the front projection of one K3 MoE layer."""
@@ -39,7 +40,7 @@ class EpMoeLayer:
             from .router_triton import route_sigmoid_topk
 
             return route_sigmoid_topk(x, gate_w, bias, self.top_k, self.scale)
-        if x.is_cuda:  # BF16 operands, FP32 accumulate and output: no FP32 copy of the weight
+        if x.is_cuda and bf16:  # BF16 operands, FP32 accumulate and output: no FP32 copy of the weight
             logits = torch.mm(x, gate_w.t(), out_dtype=torch.float32)
         else:
             logits = F.linear(x.float(), gate_w.float())

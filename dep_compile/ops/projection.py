@@ -8,6 +8,7 @@ import torch
 
 from .. import tactics
 from ..tactics import CUBLAS, SplitK
+from .registry import prepared
 
 
 def splitk_reference(x: torch.Tensor, w: torch.Tensor, split_k: int) -> torch.Tensor:
@@ -23,6 +24,7 @@ def splitk_reference(x: torch.Tensor, w: torch.Tensor, split_k: int) -> torch.Te
     return acc.to(x.dtype)
 
 
+@prepared
 @dataclasses.dataclass
 class DepProjection:
     """One projection of a rewritten layer: its name (for the report) and its tactic table."""

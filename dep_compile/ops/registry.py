@@ -15,15 +15,13 @@ from typing import Any
 from ..tactics import SplitK
 
 _PREPARED: dict[str, Any] = {}
+_CLASSES: dict[str, type] = {SplitK.__name__: SplitK}  # classes a layer string may name (``prepared``)
 
 
-def _classes() -> dict[str, type]:
-    from .dsa import PreparedDsa
-    from .kda import PreparedKda
-    from .moe import EpMoeLayer
-    from .projection import DepProjection
-
-    return {c.__name__: c for c in (PreparedDsa, PreparedKda, EpMoeLayer, DepProjection, SplitK)}
+def prepared(cls: type) -> type:
+    """Class decorator: ``cls`` (a dataclass baked into compiled graphs) may be rebuilt from a layer string."""
+    _CLASSES[cls.__name__] = cls
+    return cls
 
 
 def _encode(obj: Any) -> Any:
@@ -39,7 +37,7 @@ def _decode(obj: Any) -> Any:
         (name, body), = obj.items()
         if name == "table":
             return {int(k): _decode(v) for k, v in body}
-        return _classes()[name](**{k: _decode(v) for k, v in body.items()})
+        return _CLASSES[name](**{k: _decode(v) for k, v in body.items()})
     return obj
 
 
@@ -54,6 +52,8 @@ def lookup(key: str) -> Any:
     """The prepared object of an op's ``layer`` string (rebuilt from it on first use in a process)."""
     prepared = _PREPARED.get(key)
     if prepared is None:
+        from . import dsa, kda, moe  # noqa: F401  (their @prepared classes, in a process where no pass ran)
+
         try:
             prepared = _PREPARED[key] = _decode(json.loads(key.split("#", 1)[1]))
         except (IndexError, KeyError, TypeError, ValueError) as e:

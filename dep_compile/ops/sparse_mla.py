@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-log = logging.getLogger(__name__)
+from ..config import SPARSE_MLA_KERNELS, OptionError  # noqa: F401  (the choices, re-exported)
 
-SPARSE_MLA_KERNELS = ("auto", "triton", "flashinfer")
+log = logging.getLogger(__name__)
 FLASHINFER_HEADS = 128  # query heads the kernel is given: K3's 96 padded
 FLASHINFER_WORKSPACE_BYTES = 128 << 20  # semaphores of its multi-block mode; zeroed once
 _CHOSEN: dict = {}  # (device, option, layer shape) -> "triton" | "flashinfer"
@@ -84,7 +84,7 @@ def choose_sparse_mla(option: str, kv_cache: Tensor, *, heads: int, kv_lora: int
         else:
             why = flashinfer_unsupported(kv_cache, heads=heads, kv_lora=kv_lora, nope=nope)
             if option == "flashinfer" and why is not None:
-                raise RuntimeError(f"kimi_dep: sparse_mla='flashinfer' cannot run on {kv_cache.device}: {why}")
+                raise OptionError(f"kimi_dep: sparse_mla='flashinfer' cannot run on {kv_cache.device}: {why}")
             kernel, note = ("flashinfer", "") if why is None else ("triton", f" (FlashInfer: {why})")
         log.info("kimi_dep DSA sparse MLA on %s: %s kernel%s", kv_cache.device, kernel, note)
         _CHOSEN[key] = kernel
