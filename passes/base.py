@@ -17,7 +17,7 @@ from dep_compile.ops.registry import register
 
 from . import validate
 from .functionalized import eager_vals, replace_functionalized
-from .fx_match import (NoMatch, base_outputs, is_call, is_functionalized, is_plumbing, layer_index,
+from .fx_match import (AF_V2, NoMatch, base_outputs, is_call, is_functionalized, is_plumbing, layer_index,
                        module_path, op_name, require, val)
 
 Node = fx.Node
@@ -131,6 +131,10 @@ class PassContext:
         """
         region = self.verified_region(x, output, claimed)
         self.check_region(region, output)
+        if self.postgrad and target._schema.is_mutable:
+            for n in region:
+                require(not is_functionalized(n) or n.target is AF_V2, "mutating op is wrapped in "
+                        "auto_functionalized v1; only v2 is rewritten (set Inductor's enable_auto_functionalized_v2=True)", n)
         flat: list = []
         fx.node.map_arg(args, flat.append)
         for n in flat:
@@ -152,9 +156,10 @@ class PassContext:
         for nodes, what in pack:
             self.pack(nodes, what)
         self.mutating = True
-        new = self.replace(region, output, target, args, found.module)
-        self.mutating = False
-        return new
+        try:
+            return self.replace(region, output, target, args, found.module)
+        finally:
+            self.mutating = False
 
     def check_region(self, region: Iterable[Node], output: Node) -> None:
         """Every node the rewrite removes is read only inside the region (``output`` excepted)."""
@@ -178,9 +183,10 @@ class PassContext:
         if self.postgrad and target._schema.is_mutable:
             new = replace_functionalized(self.graph, region, output, target, args)
         else:
+            fake = self._fake_call(target, args)
             with self.graph.inserting_before(output):
                 new = self.graph.call_function(target, args)
-            new.meta["val" if self.postgrad else "example_value"] = self._fake_call(target, args)
+            new.meta["val" if self.postgrad else "example_value"] = fake
             if self.postgrad:
                 new.meta["eager_input_vals"] = eager_vals(new)
         for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
@@ -270,6 +276,8 @@ class LayerPass:
         try:
             op, tactics = self.rewrite(ctx, found)
         except NoMatch as e:
+            if ctx.mutating:  # a check inside the replacement failed after the graph began to change
+                raise
             check = "semantic" if e.reason.startswith("semantic check") else "structure"
             return LayerMatch(found.layer, found.module, self.kind, False, e.reason, self.stock_op,
                               node=e.node.name if isinstance(e.node, Node) else "", check=check)

@@ -166,7 +166,8 @@ def find_dsa(ctx: PassContext, S: Node) -> DsaMatch:
             f"{val(S_out).shape[-1]}", gate)
     require(val(k_raw).shape[-1] == Di and val(ia["weights"]).shape[-1] == Hi,
             "index keys / weights widths differ from the indexer query's", I)
-    check_bf16("DSA activations/weights", x, q_b.w, wq_b.w, o_lin.w, a["kv_cache"], ia["weights"], *pack)
+    check_bf16("DSA activations/weights", x, q_b.w, wq_b.w, o_lin.w, a["kv_cache"], a["q"], a["latent"], ia["q_idx"],
+               ia["weights"], ia["k"], *pack)
     for n in (a["kv_cache"], ia["index_cache"], ia["index_scale"]):
         check_only_user(n, S if n is a["kv_cache"] else I, n.name)
     check_q_len(a["q_len"], ctx.options.max_q, S)

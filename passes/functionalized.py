@@ -33,12 +33,12 @@ def replace_functionalized(graph: fx.Graph, region: set[Node], output: Node, tar
     offsets: dict[Node, int] = {}
     for n in olds:
         offsets[n] = len(bases)
-        for i, b in enumerate(n.kwargs["_all_bases"]):
+        for b in n.kwargs["_all_bases"]:
             require(b not in bases, f"two replaced ops mutate one base {getattr(b, 'name', b)}", n)
             bases.append(b)
         for i, g in base_outputs(n).items():
             moved[g] = offsets[n] + i
-    claimed: set[str] = set()
+    taken: set[str] = set()
     for m in mutated:
         owners = [n for n in olds if f"_{m}_base_index" in n.kwargs]
         require(len(owners) == 1, f"mutated {m}: {len(owners)} replaced calls mutate an argument of that name",
@@ -50,9 +50,9 @@ def replace_functionalized(graph: fx.Graph, region: set[Node], output: Node, tar
                     require(isinstance(v, int), f"mutated {m} has no single base", n)
                     v = v + offsets[n]
                 kwargs[k] = v
-                claimed.add(k)
+                taken.add(k)
     for n in olds:  # every view kwarg of the replaced calls must belong to a mutated arg of the new op
-        extra = [k for k in n.kwargs if k.startswith("_") and k != "_all_bases" and k not in claimed]
+        extra = [k for k in n.kwargs if k.startswith("_") and k != "_all_bases" and k not in taken]
         require(not extra, f"replaced call mutates {extra}, which the new op does not take", n)
     kwargs["_all_bases"] = bases
     out_val = val(output)

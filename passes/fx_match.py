@@ -87,7 +87,7 @@ _DEFAULTS = {
 }
 _KW_ALIASES = {"self": "input", "tensor": "input", "mat2": "other", "split_size": "split_size_or_sections",
                "split_sizes": "split_size_or_sections", "sections": "split_size_or_sections", "axis": "dim",
-               "exponent": "exponent", "x": "input", "a": "input"}
+               "x": "input", "a": "input"}
 
 
 def op_name(node: Any) -> str | None:
@@ -120,8 +120,9 @@ def op_name(node: Any) -> str | None:
 def bind(node: Any) -> dict | None:
     """A call's arguments by canonical name (positional and keyword alike, defaults filled), else None.
 
-    Casts bind ``input`` and their result ``dtype`` (from the node's fake value). A call with an
-    argument its canonical signature does not name (``out=``, say) does not bind.
+    Casts bind ``input`` and their result ``dtype`` (from the node's fake value). Aten overloads bind
+    through their schemas; other calls through ``_SIGNATURES``, where an argument the signature does
+    not name (``out=``, say) makes the call unbindable.
     """
     name = op_name(node)
     if name is None:
@@ -286,8 +287,9 @@ def is_plumbing(node: Any) -> bool:
     ``clone``, or a cast to the dtype its input already has. Transposes, casts that change the dtype
     and every arithmetic op are not plumbing."""
     name = op_name(node)
-    if name in _VIEWS:
-        return True
+    if name in _VIEWS:  # a ``view(dtype)`` reinterprets bits: only same-dtype views keep values
+        src = node.args[0] if node.args else None
+        return dtype_of(node) is not None and dtype_of(node) == dtype_of(src)
     if name == "cast":
         b = bind(node)
         return b is not None and dtype_of(b["input"]) == b.get("dtype")
@@ -315,7 +317,7 @@ def skip_identity(node: Any, claims: set | None = None) -> Any:
 def unview(node: Any, shape: tuple, what: str, claims: set) -> Node:
     """``node`` is a row-major reshape (chain of views) of a tensor of ``shape``; that tensor."""
     src = node
-    while op_name(src) in _VIEWS or (op_name(src) == "cast" and is_plumbing(src)):
+    while is_plumbing(src):
         claims.add(src)
         src = src.args[0] if src.args and isinstance(src.args[0], Node) else bind(src).get("input")
         v = val(src)
@@ -324,6 +326,7 @@ def unview(node: Any, shape: tuple, what: str, claims: set) -> Node:
     v = val(src)
     require(isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(shape), f"{what} is not a reshape of a "
             f"{list(shape)} tensor", node)
+    require(dtype_of(src) == dtype_of(node), f"{what} reinterprets a {dtype_of(src)} tensor as {dtype_of(node)}", node)
     return src
 
 
@@ -560,16 +563,6 @@ def part_of(node: Any, claims: set | None = None) -> tuple[Node, int, int] | Non
 
 
 # ---- norms -------------------------------------------------------------------------------------
-
-def _factors(node: Any, claims: set) -> list:
-    """The operands of a tree of ``mul`` calls rooted at ``node`` (claiming the muls)."""
-    if op_name(node) == "mul":
-        b = bind(node)
-        if b is not None:
-            claims.add(node)
-            return _factors(b["input"], claims) + _factors(b["other"], claims)
-    return [node]
-
 
 def _other(node: Any, name: str, one: Any) -> Any:
     """The operand of commutative ``name`` call ``node`` that is not ``one`` (None if neither is)."""

@@ -199,7 +199,7 @@ def dep_moe_supported(ctx: PassContext, R: Node) -> MoeMatch:
             shared_out = ab["other"] if ab["input"] is up.node else ab["input"]
             require(up.node in (ab["input"], ab["other"]), "no shared expert added to the up-projection", add)
             sd = linear(shared_out, "the add's other operand (a shared expert's down_proj)", claimed)
-    gu = match_situ(sd.x, float(a.get("beta")), float(a["beta_lin"]), claimed)
+    gu = match_situ(sd.x, float(a["beta"]), float(a["beta_lin"]), claimed)
     require(gu.x is x, "shared expert reads another input than the router", gu.node)
     check_bf16("MoE activations/weights", x, down.w, gu.w, sd.w, up.w, a["w13"], a["w2"])
     shared_inter = ctx.param(sd.w, "shared down_proj").shape[1]
@@ -229,7 +229,7 @@ class MoePass(LayerPass):
         m = dep_moe_supported(ctx, found.anchor)
         a = m.args
         prepared = EpMoeLayer(
-            shared_inter=m.shared_inter, latent=m.latent, top_k=m.top_k, scale=m.scale, beta=float(a.get("beta")),
+            shared_inter=m.shared_inter, latent=m.latent, top_k=m.top_k, scale=m.scale, beta=float(a["beta"]),
             beta_lin=float(a["beta_lin"]), norm_eps=m.norm_eps, expert_start=int(a["expert_start"]), ep_size=m.ep_size,
             front_max=opts.front_max, front=DepProjection("moe_front", opts.projection_tables["moe_front"]),
         )

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import time
 from typing import Any
 
 import torch
 import torch.fx as fx
 
+from dep_compile.ops.packing import unpacked_ok
 from dep_compile.ops.projection import DepProjection
 from dep_compile.ops.registry import register
 
@@ -118,8 +120,8 @@ class _Inputs:
                 self.values[r[role]] = self._cache(role, probe.shapes[role], val(r[role]).dtype)
         self.caches = {role: self.values[r[role]] for role in CACHE_ROLES if role in r}
 
-    def _randn(self, shape, dtype, scale=1.0):
-        return (torch.randn(shape, generator=self.g) * scale).to(dtype).to(self.device)
+    def _randn(self, shape, dtype):
+        return torch.randn(shape, generator=self.g).to(dtype).to(self.device)
 
     def _metadata(self, probe: Probe) -> None:
         r, B, q = probe.roles, self.B, self.q
@@ -214,9 +216,11 @@ class _Evaluator:
             if n.target.endswith("_") and not n.target.startswith("__"):
                 raise NoMatch(f"semantic check: {n.name} writes in place ({n.target})", n)
             return getattr(args[0], n.target)(*args[1:], **kwargs)
-        schema = getattr(n.target, "_schema", None)
+        schema = _schema(n)
         if schema is not None and schema.is_mutable:
             self._check_writes(n, schema, {**dict(zip([a.name for a in schema.arguments], args)), **kwargs})
+        if kwargs.get("out") is not None or kwargs.get("inplace") is True:
+            raise NoMatch(f"semantic check: {n.name} writes into an argument", n)
         return n.target(*args, **kwargs)
 
     def _check_writes(self, n: Node, schema, bound: dict) -> None:
@@ -250,12 +254,22 @@ def _is_weight_buffer(n: Node) -> bool:
     return "buffers" in name
 
 
+def _schema(n: Node):
+    """The schema of an op call (Dynamo records custom ops by their packet: its default overload's)."""
+    t = n.target
+    if isinstance(t, torch._ops.OpOverloadPacket):
+        t = getattr(t, "default", None)
+    return getattr(t, "_schema", None)
+
+
 def _mutates(n: Node) -> bool:
     if n.op == "call_method":
         return n.target.endswith("_") and not n.target.startswith("__")
-    if n.target in (AF_V1, AF_V2):
+    if n.target in (AF_V1, AF_V2) or n.target is operator.setitem:
         return True
-    schema = getattr(n.target, "_schema", None)
+    if n.kwargs.get("out") is not None or n.kwargs.get("inplace") is True:
+        return True
+    schema = _schema(n)
     return bool(schema is not None and schema.is_mutable)
 
 
@@ -299,8 +313,10 @@ def signature(probe: Probe) -> str:
     """The region's computation up to renaming: every node's op, constants and operands (region nodes by
     position, outside values by first appearance with their shape and dtype), and the prepared layer.
 
-    Two layers with one signature compute the same function of their weights, caches and input, and
-    are rewritten into the same op: one probe observes both (K3's 93 layers need a handful).
+    Two layers with one signature compute the same function of their outside values, and are
+    rewritten into the same op, which receives those values unchanged (the walkers pass every outside
+    value through, checked to be a parameter or a cache / metadata role): one probe observes both,
+    on the first layer's weights (K3's 93 layers need a handful).
     """
     order = sorted(probe.region, key=lambda n: n._sort_key)
     index = {n: i for i, n in enumerate(order)}
@@ -346,7 +362,8 @@ def check(probe: Probe, gm: fx.GraphModule, real: dict, seed: int = 0) -> Verdic
             ev.env[probe.roles[role]] = t
         args = list(ev.value(probe.args))
         args[probe.key_index] = key
-        out = probe.target(*args)
+        with unpacked_ok():  # weights are packed once compile_fx returns, after the probe
+            out = probe.target(*args)
     errors = {"output": _error(out, stock_out)}
     got, ref = _dequantized(fresh), _dequantized(stock_caches)
     for name in ref:

@@ -599,6 +599,9 @@ _dsa_variant("dsa_k_norm_eps", "either", setup=_eps("indexer.k_norm", 0.5), note
 _dsa_variant("dsa_q_heads_dims_swapped", "either",
              q_heads=lambda self, q_a_n, T: self.q_b_proj(q_a_n).view(T, self.nope + self.rope, self.heads)
              .transpose(1, 2))
+_dsa_variant("dsa_index_query_bit_view", "either", note="view(float16) reinterprets the BF16 bits: not plumbing",
+             index_query=lambda self, q_a, q_a_n, T: self.indexer.wq_b(q_a_n).view(
+                 T, self.indexer.heads, self.indexer.head_dim).view(torch.float16))
 _dsa_variant("dsa_index_query_unnormed", "either",
              index_query=lambda self, q_a, q_a_n, T: self.indexer.wq_b(q_a).view(T, self.indexer.heads,
                                                                                  self.indexer.head_dim))
@@ -849,7 +852,7 @@ shared_sigmoid_of_up shared_extra_scale shared_act_bf16 moe_routed_scaled moe_la
 moe_latent_norm_no_weight moe_up_scaled moe_sub_shared moe_norm_by_hand shared_split_halves moe_linear_kwargs
 shared_linear_kwargs shared_matmul moe_torch_add dsa_gate_times_1_01 dsa_gate_plus_0 dsa_gate_fp16_round_trip
 dsa_gate_relu dsa_gate_tanh dsa_gate_product_bf16 dsa_q_a_norm_eps dsa_kv_a_layernorm
-dsa_latent_cat_swapped dsa_k_norm_eps dsa_q_heads_dims_swapped dsa_index_query_unnormed
+dsa_latent_cat_swapped dsa_k_norm_eps dsa_q_heads_dims_swapped dsa_index_query_unnormed dsa_index_query_bit_view
 dsa_index_weights_times_2 dsa_slices dsa_layer_norm_kwargs dsa_cat_kwargs dsa_separate_gate_proj
 dsa_rms_norm_kwargs kda_q_k_swapped kda_beta_part_wrong kda_g_raw_times_2 kda_o_proj_input_scaled kda_q_scaled
 kda_f_b_misaligned_split kda_slices kda_linear_kwargs kda_einsum_in_proj kda_matmul_T

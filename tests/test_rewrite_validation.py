@@ -75,3 +75,17 @@ def test_rewritten_layers_report_their_probe():
     r = run_pair(CFG, steps=1, batch=3)
     for m in r.report.rewritten():
         assert m.validation.startswith("probe 3 tokens: worst") and "max 0.00e+00" in m.validation, m.validation
+
+
+def test_structure_alone_refuses_a_bit_reinterpreting_view():
+    """``view(float16)`` keeps the shape but not the values: the structural check refuses it by itself."""
+    from near_miss_variants import CATALOGUE  # noqa: PLC0415
+    from dep_compile.stock import build_model  # noqa: PLC0415
+
+    v = next(v for v in CATALOGUE if v.name == "dsa_index_query_bit_view")
+    model = build_model(CFG, seed=1)
+    v.apply(model, CFG)
+    r = run_pair(CFG, steps=2, batch=2, start_len=24, model=model, options={"validate": False})
+    (dsa,) = r.report.stock("dsa")
+    assert dsa.check == "structure", dsa.reason
+    assert r.logits_err == 0.0 and r.cache_err == 0.0

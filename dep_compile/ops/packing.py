@@ -8,12 +8,14 @@ the parameters themselves and view them as one matrix when they are adjacent.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
 
 log = logging.getLogger("dep_compile")
 _warned: set[tuple] = set()
+_quiet = False  # set by unpacked_ok()
 
 
 def packed_view(ws: list[torch.Tensor]) -> torch.Tensor | None:
@@ -31,6 +33,17 @@ def packed_view(ws: list[torch.Tensor]) -> torch.Tensor | None:
     return first.as_strided((rows, first.shape[1]), (first.shape[1], 1), first.storage_offset())
 
 
+@contextlib.contextmanager
+def unpacked_ok():
+    """Inside: unpacked weights are expected (a compile-time probe runs before packing), so not logged."""
+    global _quiet
+    _quiet, saved = True, _quiet
+    try:
+        yield
+    finally:
+        _quiet = saved
+
+
 def packed_rows(ws: list[torch.Tensor], what: str) -> torch.Tensor:
     """The packed matrix of ``ws``: a zero-copy view when packed, else a concatenation (logged once)."""
     if len(ws) == 1:
@@ -39,7 +52,7 @@ def packed_rows(ws: list[torch.Tensor], what: str) -> torch.Tensor:
     if view is not None:
         return view
     key = (what, tuple(w.shape for w in ws))
-    if key not in _warned:
+    if key not in _warned and not _quiet:
         _warned.add(key)
         log.warning("kimi_dep: %s weights are not packed; concatenating them every call "
                     "(pack them once with dep_compile.ops.packing.pack_params)", what)
