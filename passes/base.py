@@ -18,7 +18,8 @@ from dep_compile.ops.registry import register
 from . import validate
 from .functionalized import eager_vals, replace_functionalized
 from .fx_match import (AF_V2, NoMatch, base_outputs, is_call, is_functionalized, is_plumbing, layer_index,
-                       module_path, op_name, require, val)
+                       module_path, op_name, position, require, val)
+from .fx_match import result as call_result
 
 Node = fx.Node
 log = logging.getLogger("dep_compile")
@@ -81,9 +82,7 @@ class PassContext:
 
     def result(self, node: Node) -> Node:
         """The node holding a call's tensor output (getitem 0 of a functionalized call), or NoMatch."""
-        from .fx_match import result
-
-        out = result(node)
+        out = call_result(node)
         require(out is not None, "the op's output is not read once", node)
         return out
 
@@ -97,14 +96,14 @@ class PassContext:
             n = stack.pop()
             if n in seen or n is x or n.op in ("placeholder", "get_attr"):
                 continue
-            if self.postgrad and _position(n) < _position(x):
+            if self.postgrad and position(n) < position(x):
                 continue  # post-grad graphs are reordered for locality: a weight's permute/cast may sit earlier
             require(n._sort_key > x._sort_key, f"{n.name} is computed before the layer input {x.name}", n)
             seen.add(n)
             require(len(seen) <= limit, f"layer region past {limit} nodes", output)
             stack.extend(n.all_input_nodes)
         depends: set[Node] = set()
-        for n in sorted(seen, key=_position):
+        for n in sorted(seen, key=position):
             if any(a is x or a in depends for a in n.all_input_nodes):
                 depends.add(n)
         return depends
@@ -117,7 +116,7 @@ class PassContext:
         layer computes something the rewrite would not, so it stays stock.
         """
         region = self.layer_region(x, output)
-        for n in sorted(region - claimed, key=_position):
+        for n in sorted(region - claimed, key=position):
             require(is_plumbing(n), f"unmatched op {op_name(n) or getattr(n.target, '__name__', n.target)} "
                     f"({n.name}) inside the layer: its meaning is not accounted for", n)
         return region
@@ -178,8 +177,7 @@ class PassContext:
         copied from ``output``, and its fake value is computed in the trace's fake mode. Region
         nodes are erased, then any pure node that only fed them (casts, views, norms).
         """
-        region = set(region)
-        self.check_region(region, output)
+        region = set(region)  # checked by ``commit`` (check_region)
         if self.postgrad and target._schema.is_mutable:
             new = replace_functionalized(self.graph, region, output, target, args)
         else:
@@ -194,7 +192,7 @@ class PassContext:
                 new.meta[key] = output.meta[key]
         output.replace_all_uses_with(new)
         frontier = []
-        for n in sorted(region, key=_position, reverse=True):  # reverse topological order
+        for n in sorted(region, key=position, reverse=True):  # reverse topological order
             if not n.users:
                 frontier.extend(a for a in n.all_input_nodes if a not in region)
                 self.graph.erase_node(n)
@@ -214,11 +212,6 @@ class PassContext:
 
 
 _aten = torch.ops.aten
-
-
-def _position(node: Node):
-    """The node's place in graph order (FX keeps ``_sort_key`` ordered as nodes are inserted)."""
-    return node._sort_key
 
 
 def _pure(node: Node) -> bool:

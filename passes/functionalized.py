@@ -7,7 +7,7 @@ import operator
 
 import torch.fx as fx
 
-from .fx_match import AF_V2, base_outputs, is_functionalized, require, val
+from .fx_match import AF_V2, base_outputs, is_functionalized, position, require, val
 
 Node = fx.Node
 
@@ -23,7 +23,7 @@ def replace_functionalized(graph: fx.Graph, region: set[Node], output: Node, tar
     schema = target._schema
     names = [a.name for a in schema.arguments]
     mutated = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
-    olds = sorted((n for n in region if is_functionalized(n)), key=_position)
+    olds = sorted((n for n in region if is_functionalized(n)), key=position)
     for n in olds:
         require(n.target is AF_V2, "mutating op is wrapped in auto_functionalized v1; only v2 is rewritten "
                 "(set Inductor's enable_auto_functionalized_v2=True)", n)
@@ -84,7 +84,3 @@ def eager_vals(node: Node):
     """``eager_input_vals`` of a new node, from its own inputs (fake values; non-tensors None)."""
     return fx.node.map_aggregate((node.args, node.kwargs), lambda a: val(a) if isinstance(a, Node) else None)
 
-
-def _position(node: Node):
-    """The node's place in graph order."""
-    return node._sort_key

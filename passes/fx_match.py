@@ -253,6 +253,11 @@ def op_args(node: Node, overload) -> dict[str, Any]:
     return bound
 
 
+def position(node: Node):
+    """The node's place in graph order (FX keeps ``_sort_key`` ordered as nodes are inserted)."""
+    return node._sort_key
+
+
 def getitem_of(node: Any) -> tuple[Node, Any] | None:
     if isinstance(node, Node) and node.op == "call_function" and node.target is operator.getitem:
         return node.args[0], node.args[1]
