@@ -55,9 +55,18 @@ class EpMoeLayer:
         return self.front(x, front).split([2 * self.shared_inter, self.latent], -1)
 
     def experts_tail(self, latent, topk_w, topk_ids, w13, w2, norm_w, up_w) -> Tensor:
-        """Routed experts -> latent RMSNorm -> up-projection: [T, hidden] BF16."""
-        routed = torch.ops.kimi_k3.routed_experts(latent, w13, w2, topk_w, topk_ids, self.expert_start,
-                                                  self.ep_size, self.beta, self.beta_lin)
+        """Routed experts -> latent RMSNorm -> up-projection: [T, hidden] BF16.
+
+        On CUDA the experts are kimi_dep's Triton kernels (``experts_triton``; EP dispatch around
+        them when ``ep_size > 1``); elsewhere the stock op (its CPU reference)."""
+        if latent.is_cuda:
+            from .experts_triton import routed_experts_dep
+
+            routed = routed_experts_dep(latent, w13, w2, topk_w, topk_ids, self.expert_start, self.ep_size,
+                                        self.beta, self.beta_lin)
+        else:
+            routed = torch.ops.kimi_k3.routed_experts(latent, w13, w2, topk_w, topk_ids, self.expert_start,
+                                                      self.ep_size, self.beta, self.beta_lin)
         if routed.is_cuda:  # one Triton launch instead of cast, norm, cast
             from .norm_triton import rms_norm_fused
 

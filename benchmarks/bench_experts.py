@@ -1,0 +1,141 @@
+"""Routed experts on the GPU: kimi_dep's Triton kernels vs stock's two ``torch._grouped_mm`` calls.
+
+    python benchmarks/bench_experts.py [--out DIR] [--sweep] [--tokens 1 2 4 ...] [--ep-rows 16 32 ...]
+
+K3 widths (latent 3584, intermediate 3072, top-16, BF16). Two settings, one process, same inputs:
+
+* **slice**: 64 local experts (the full-width slice), 1..64 tokens, each picking 16 distinct
+  experts of the 64;
+* **EP16**: one rank's 56 local experts of 896 (rank 3), ``R`` tokens each picking 16 distinct of
+  896, so about ``R`` routed rows land on the rank (the actual count is reported).
+
+Each point is first checked against the CPU reference's function (``routed_experts_partial``,
+run on the GPU): relative Frobenius error of both sides. Then both are timed with CUDA events
+over CUDA-graph replays (``benchmarks/common.py``), the expert weights rotated past L2 (copies
+of w13 / w2, launch ``i`` reads copy ``i % copies``); medians. TB/s counts the touched experts'
+weights (w13 + w2 of every local expert with at least one row), the floor is those bytes at
+4.33 TB/s (measured read ceiling) and 4.8 TB/s (spec). ``--sweep`` also times a few tile
+tactics. Writes ``experts.json`` and ``experts.png`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import (HBM_PRACTICAL_BPS, floors_us, format_table, kernel_profile, plot_panels, rel_err,  # noqa: E402
+                    rotation_copies, steps_per_replay, tbps, time_graph, write_json)
+
+from dep_compile.ops.experts_triton import DEFAULT_TACTIC, ExpertsTactic, routed_experts_triton  # noqa: E402
+from dep_compile.stock.grouped_experts import routed_experts_grouped  # noqa: E402
+from dep_compile.stock.reference.moe import routed_experts_partial  # noqa: E402
+
+LAT, INTER, TOP_K, BETA, BETA_LIN = 3584, 3072, 16, 4.0, 25.0
+EXPERT_BYTES = 3 * INTER * LAT * 2
+SWEEP = [  # run 1 (docs/perf_experts.md) also timed w8 and k256 variants: slower everywhere
+    ExpertsTactic(32, 64, 128, 4, 4),  # half-width GEMM1 tiles: twice the programs
+    ExpertsTactic(64, 64, 128, 4, 4, block_m=16),  # 16-row passes at every batch
+    ExpertsTactic(64, 128, 128, 8, 4),  # wider GEMM2 tiles
+]
+
+
+def routing(tokens: int, total: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, 16] FP32 renormalized x 2.5, ids [T, 16] int64): 16 distinct random experts a token."""
+    ids = torch.stack([torch.randperm(total, generator=gen)[:TOP_K] for _ in range(tokens)])
+    w = torch.rand(tokens, TOP_K, generator=gen) + 0.05
+    return (w / w.sum(-1, keepdim=True) * 2.5).cuda(), ids.cuda()
+
+
+def run_point(setting, tokens, E, start, total, w13s, w2s, gen, tactics, profile):
+    """Check, then time stock and each tactic at one point; returns the result row."""
+    x = torch.randn(tokens, LAT, generator=gen).to(torch.bfloat16).cuda()
+    tw, ids = routing(tokens, total, gen)
+    local = ids[(ids >= start) & (ids < start + E)]
+    rows, touched = int(local.numel()), int(local.unique().numel())
+    nbytes = touched * EXPERT_BYTES
+    w13, w2 = w13s[0][:E], w2s[0][:E]
+    ref = routed_experts_partial(x, w13, w2, tw, ids, start, BETA, BETA_LIN)
+    stock = lambda i: routed_experts_grouped(x, w13s[i % len(w13s)][:E], w2s[i % len(w2s)][:E], tw, ids,  # noqa: E731
+                                             start, BETA, BETA_LIN)
+    row = dict(setting=setting, tokens=tokens, experts=E, rows=rows, touched=touched, bytes=nbytes,
+               err_stock=rel_err(stock(0), ref))
+    n_steps = steps_per_replay(nbytes / HBM_PRACTICAL_BPS * 1e6 * 1.3, len(w13s))
+    row["stock_us"] = time_graph(stock, n_steps)["median_us"]
+    for name, tac in tactics.items():
+        def fn(i, tac=tac):
+            return routed_experts_triton(x, w13s[i % len(w13s)][:E], w2s[i % len(w2s)][:E], tw, ids, start, BETA,
+                                         BETA_LIN, tactic=tac)
+
+        err = rel_err(fn(0), ref)
+        assert err < 4e-3, f"{setting} {tokens} tokens, {name}: rel err {err}"
+        row[f"err_{name}"] = err
+        row[f"{name}_us"] = time_graph(fn, n_steps)["median_us"]
+    if profile:
+        row["profile"] = kernel_profile(lambda: routed_experts_triton(x, w13, w2, tw, ids, start, BETA, BETA_LIN))
+    fl = floors_us(nbytes)
+    row.update(floor_433_us=fl["practical"], floor_48_us=fl["spec"], stock_tbps=tbps(nbytes, row["stock_us"]),
+               dep_tbps=tbps(nbytes, row["dep_us"]), ratio=row["stock_us"] / row["dep_us"])
+    print(f"{setting} T={tokens}: rows {rows} touched {touched} stock {row['stock_us']:.1f} µs, "
+          + ", ".join(f"{n} {row[n + '_us']:.1f}" for n in tactics), flush=True)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    ap.add_argument("--ep-rows", type=int, nargs="+", default=[16, 32, 64, 128, 256, 512, 1024])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--sweep", action="store_true", help="also time the tactics in SWEEP")
+    args = ap.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    tactics = {"dep": DEFAULT_TACTIC}
+    if args.sweep:
+        tactics.update({str(t): t for t in SWEEP})
+    E_SLICE, E_EP, EP_START, EP_TOTAL = 64, 56, 3 * 56, 896
+    copies = rotation_copies(E_EP * EXPERT_BYTES)
+    # one set of 64 experts per copy; the EP rank uses the first 56 of them
+    w13s = [(torch.randn(E_SLICE, 2 * INTER, LAT, device="cuda") * LAT ** -0.5 * 2).to(torch.bfloat16)
+            for _ in range(copies)]
+    w2s = [(torch.randn(E_SLICE, LAT, INTER, device="cuda") * INTER ** -0.5).to(torch.bfloat16)
+           for _ in range(copies)]
+    results = []
+    with torch.no_grad():
+        for T in args.tokens:
+            results.append(run_point("slice", T, E_SLICE, 0, E_SLICE, w13s, w2s, gen, tactics, profile=T in (1, 64)))
+        for R in args.ep_rows:
+            results.append(run_point("ep16", R, E_EP, EP_START, EP_TOTAL, w13s, w2s, gen, tactics,
+                                     profile=R in (16, 1024)))
+    headers = ["setting", "tokens", "rows", "experts", "GB", "stock µs", "dep µs", "ratio", "stock TB/s", "dep TB/s",
+               "dep/4.33", "floor@4.33", "floor@4.8", "err stock", "err dep"]
+    table = [[r["setting"], r["tokens"], r["rows"], r["touched"], f"{r['bytes'] / 1e9:.2f}", f"{r['stock_us']:.1f}",
+              f"{r['dep_us']:.1f}", f"{r['ratio']:.2f}", f"{r['stock_tbps']:.2f}", f"{r['dep_tbps']:.2f}",
+              f"{r['dep_tbps'] * 1e12 / HBM_PRACTICAL_BPS:.2f}", f"{r['floor_433_us']:.1f}",
+              f"{r['floor_48_us']:.1f}", f"{r['err_stock']:.1e}", f"{r['err_dep']:.1e}"] for r in results]
+    if args.sweep:
+        print(format_table(["setting", "tokens"] + list(tactics),
+                           [[r["setting"], r["tokens"]] + [f"{tbps(r['bytes'], r[n + '_us']):.2f}" for n in tactics]
+                            for r in results]))
+    for r in results:
+        for k in r.get("profile", []):
+            print(f"  {r['setting']} {r['tokens']}: {k['us']:8.1f} µs x{k['launches']:.0f} {k['kernel']}")
+    print(format_table(headers, table))
+    os.makedirs(args.out, exist_ok=True)
+    write_json(os.path.join(args.out, "experts.json"),
+               {"tactic": str(DEFAULT_TACTIC), "copies": copies, "rows": results})
+    panels = []
+    for setting, title in (("slice", "slice: 64 local experts"), ("ep16", "EP16 rank: 56 local of 896")):
+        rs = [r for r in results if r["setting"] == setting]
+        if rs:
+            panels.append({"title": title + " (TB/s of touched experts)", "x": [r["tokens"] for r in rs],
+                           "series": {"stock _grouped_mm": [r["stock_tbps"] for r in rs],
+                                      "kimi_dep Triton": [r["dep_tbps"] for r in rs]},
+                           "hlines": {"4.33 TB/s read ceiling": 4.33, "4.8 TB/s spec": 4.8}})
+    plot_panels(os.path.join(args.out, "experts.png"), panels, xlabel="tokens (EP16: ~routed rows)", ylabel="TB/s")
+
+
+if __name__ == "__main__":
+    main()

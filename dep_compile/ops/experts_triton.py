@@ -1,0 +1,356 @@
+"""kimi_dep's decode routed experts (Triton, SM90): each touched expert's weights streamed once.
+
+Same contract as ``stock.grouped_experts.routed_experts_grouped``: FP32 ``[T, Lat]``, the
+weighted sum of each token's local experts; ids outside ``expert_start .. + E`` add nothing.
+Four launches, no host sync, no sort in torch, static grids (CUDA-graph capturable):
+
+1. ``_count_kernel`` (grid ``E``): program ``e`` scans the ``P = T*K`` ids twice; it counts the
+   valid pairs of experts below ``e`` (its row offset) and its own pairs, then writes its pair
+   indices in pair order to ``order[offset ..]`` and each pair's row to ``row_of[pair]``.
+   Rows are thus sorted by (expert, pair) exactly like stock's stable argsort.
+2. ``_gemm1_kernel`` (grid ``(I / block_n, E)``): ``acc_g, acc_u [block_n, block_m] = w13[e]
+   gate/up tile @ x[tokens]^T`` (operands swapped so the weight tile is the MMA's M side and
+   one row pads only to 16), each rounded to BF16 as stock's grouped GEMM does, then SiTU in
+   FP32, rounded to BF16 into ``act[row, I]``. An expert without rows runs zero iterations.
+3. ``_gemm2_kernel`` (grid ``(Lat / block_n, E)``): ``y = w2[e] tile @ act[rows]^T`` in FP32,
+   times the pair's routing weight, stored to ``ys[row, Lat]`` (FP32, no atomics).
+4. ``_combine_kernel`` (grid ``(T, Lat / block_d)``): ``out[t] = 0 + ys[row of t's pairs]``
+   added in ascending local expert id (ties in slot order): the order of the CPU reference
+   ``routed_experts_partial``, so the combine is deterministic and adds no error of its own.
+
+Row passes: an expert with at most ``block_m`` rows (16 up to 16 tokens, else 32) takes one pass;
+a crowded expert takes passes of ``BIG_M`` = 64 rows, each re-reading the program's weight slab,
+with a shallower pipeline in the same shared memory. Measured on the H200 (docs/perf_experts.md):
+the GEMMs stream at 4.2-4.3 TB/s, the four launches 4.06-4.39 TB/s of touched expert weights at
+1-64 tokens (64 experts) and 16-1071 routed rows (one EP16 rank's 56), 1.6-4.1x the grouped GEMMs.
+
+The module imports Triton at import time: import it only where CUDA and Triton exist.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .fallbacks import log_fallback
+from .moe_triton import _tanh
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_SMEM_BYTES = 225 * 1024
+BIG_M = 64  # rows a pass for an expert with more rows than block_m
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertsTactic:
+    """Tile sizes of the two expert GEMMs (block_m: padded rows per pass, None = from T)."""
+
+    block_n1: int = 64  # gate (and up) rows per GEMM1 program
+    block_n2: int = 64  # w2 rows (latent columns) per GEMM2 program
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+    block_m: int | None = None
+
+    def __str__(self) -> str:
+        return f"n{self.block_n1}/{self.block_n2}k{self.block_k}w{self.num_warps}s{self.num_stages}m{self.block_m}"
+
+
+DEFAULT_TACTIC = ExpertsTactic()
+
+
+def experts_block_m(tokens: int) -> int:
+    """Padded rows of an expert's single GEMM pass at ``tokens`` tokens: 16 up to 16 tokens, else 32.
+
+    An expert with more rows takes passes of ``BIG_M`` (64) rows instead. Measured on the H200
+    (docs/perf_experts.md): 32-row passes beat 64 by 4-9 % where experts hold 16-30 rows."""
+    return 16 if tokens <= 16 else 32
+
+
+def _pipeline(block_n: int, block_m: int, big_m: int, tactic: ExpertsTactic) -> dict[str, int]:
+    """Pipeline depths of the one-pass loop (``tactic.num_stages``, fewer where ``block_n`` weight +
+    ``block_m`` act rows would not fit) and of the crowded-expert loop, held to the same shared memory
+    (the kernel's shared memory is the larger loop's, and it sets how many programs share an SM)."""
+    row_bytes = tactic.block_k * 2
+    stages = max(1, min(tactic.num_stages, _SMEM_BYTES // ((block_n + block_m) * row_bytes)))
+    big = max(1, min(stages, stages * (block_n + block_m) // (block_n + big_m)))
+    return dict(STAGES=stages, BIG_STAGES=big, num_stages=stages)
+
+
+@triton.jit(do_not_specialize=["P", "expert_start", "E"])
+def _count_kernel(ids_ptr, counts_ptr, offsets_ptr, order_ptr, row_of_ptr, P, expert_start, E, CHUNK: tl.constexpr):
+    """Expert e's row count, first row, and its pairs in pair order (ids [P] -> int32 [E], [E], [P], [P])."""
+    e = tl.program_id(0)
+    before = 0  # valid pairs of experts < e: this expert's first row
+    mine = 0
+    for s in range(0, P, CHUNK):
+        i = s + tl.arange(0, CHUNK)
+        loc = tl.load(ids_ptr + i, mask=i < P, other=-1).to(tl.int32) - expert_start
+        valid = (i < P) & (loc >= 0) & (loc < E)
+        before += tl.sum((valid & (loc < e)).to(tl.int32), axis=0)
+        mine += tl.sum((valid & (loc == e)).to(tl.int32), axis=0)
+    if mine > 0:
+        run = before
+        for s in range(0, P, CHUNK):
+            i = s + tl.arange(0, CHUNK)
+            loc = tl.load(ids_ptr + i, mask=i < P, other=-1).to(tl.int32) - expert_start
+            hit = ((i < P) & (loc == e)).to(tl.int32)
+            row = run + tl.cumsum(hit, axis=0) - hit  # stable: pair order within the expert
+            tl.store(order_ptr + row, i, mask=hit > 0)
+            tl.store(row_of_ptr + i, row, mask=hit > 0)
+            run += tl.sum(hit, axis=0)
+    tl.store(counts_ptr + e, mine)
+    tl.store(offsets_ptr + e, before)
+
+
+@triton.jit
+def _situ_bf16(g, u, beta, beta_lin):
+    """SiTU of BF16-rounded FP32 gate/up in FP32 (stock's numerics), FP32 out."""
+    return beta * _tanh(g / beta) * (1.0 / (1.0 + tl.exp(-g))) * (beta_lin * _tanh(u / beta_lin))
+
+
+@triton.jit
+def _gemm1_pass(x_ptr, wg_base, wu_base, act_ptr, order_ptr, off, c, m0, offs_n, offs_k, stride_x, K_TOP, beta,
+                beta_lin, LAT: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, STAGES: tl.constexpr, INTERPRET: tl.constexpr):
+    """Rows m0 .. m0 + BLOCK_M of one expert: gate/up tile GEMM, BF16 rounding, SiTU, BF16 store."""
+    rm = m0 + tl.arange(0, BLOCK_M)
+    mmask = rm < c
+    pair = tl.load(order_ptr + off + rm, mask=mmask, other=0)
+    tok = (pair // K_TOP).to(tl.int64)
+    x_ptrs = x_ptr + tok[:, None] * stride_x + offs_k[None, :]
+    acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k in tl.range(0, LAT, BLOCK_K, num_stages=STAGES):
+        if LAT % BLOCK_K == 0:  # unmasked weight loads (16-byte vectors)
+            xt = tl.load(x_ptrs + k, mask=mmask[:, None], other=0.0)
+            wg = tl.load(wg_base + k, eviction_policy="evict_first")
+            wu = tl.load(wu_base + k, eviction_policy="evict_first")
+        else:
+            kmask = (k + offs_k) < LAT
+            xt = tl.load(x_ptrs + k, mask=mmask[:, None] & kmask[None, :], other=0.0)
+            wg = tl.load(wg_base + k, mask=kmask[None, :], other=0.0, eviction_policy="evict_first")
+            wu = tl.load(wu_base + k, mask=kmask[None, :], other=0.0, eviction_policy="evict_first")
+        if INTERPRET:  # the interpreter's bf16 dot is wrong: FP32 (exact products)
+            acc_g = tl.dot(wg.to(tl.float32), tl.trans(xt).to(tl.float32), acc_g, input_precision="ieee")
+            acc_u = tl.dot(wu.to(tl.float32), tl.trans(xt).to(tl.float32), acc_u, input_precision="ieee")
+        else:
+            acc_g = tl.dot(wg, tl.trans(xt), acc_g)
+            acc_u = tl.dot(wu, tl.trans(xt), acc_u)
+    g = acc_g.to(tl.bfloat16).to(tl.float32)  # the grouped GEMM's BF16 output
+    u = acc_u.to(tl.bfloat16).to(tl.float32)
+    a = _situ_bf16(g, u, beta, beta_lin)
+    out = act_ptr + (off + rm).to(tl.int64)[None, :] * INTER + offs_n[:, None]
+    tl.store(out, a.to(tl.bfloat16), mask=(offs_n < INTER)[:, None] & mmask[None, :])
+
+
+@triton.jit(do_not_specialize=["K_TOP"])
+def _gemm1_kernel(
+    x_ptr,  # [T, Lat] bf16
+    w13_ptr,  # [E, 2I, Lat] bf16
+    act_ptr,  # [P, I] bf16 out, row = sorted pair position
+    counts_ptr, offsets_ptr, order_ptr,  # int32 [E], [E], [P]
+    stride_x, stride_we, stride_wn, K_TOP, beta, beta_lin,
+    LAT: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BIG_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, BIG_STAGES: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """act[rows of expert e, n-tile] = SiTU(x[tokens] @ w13[e] gate / up tiles^T), BF16."""
+    pid_n = tl.program_id(0)
+    e = tl.program_id(1)
+    c = tl.load(counts_ptr + e)
+    off = tl.load(offsets_ptr + e)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = tl.minimum(offs_n, INTER - 1).to(tl.int64)  # ragged last tile re-reads valid rows
+    offs_k = tl.arange(0, BLOCK_K)
+    wg_base = w13_ptr + e.to(tl.int64) * stride_we + rn[:, None] * stride_wn + offs_k[None, :]
+    wu_base = wg_base + INTER * stride_wn
+    if c > BLOCK_M:  # a crowded expert: BIG_M rows a pass
+        for m0 in range(0, c, BIG_M):
+            _gemm1_pass(x_ptr, wg_base, wu_base, act_ptr, order_ptr, off, c, m0, offs_n, offs_k, stride_x, K_TOP,
+                        beta, beta_lin, LAT, INTER, BIG_M, BLOCK_N, BLOCK_K, BIG_STAGES, INTERPRET)
+    elif c > 0:  # one pass
+        _gemm1_pass(x_ptr, wg_base, wu_base, act_ptr, order_ptr, off, c, 0, offs_n, offs_k, stride_x, K_TOP,
+                    beta, beta_lin, LAT, INTER, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, INTERPRET)
+
+
+@triton.jit
+def _gemm2_pass(act_ptr, w_base, tw_ptr, ys_ptr, order_ptr, off, c, m0, offs_n, offs_k, LAT: tl.constexpr,
+                INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                STAGES: tl.constexpr, INTERPRET: tl.constexpr):
+    """Rows m0 .. m0 + BLOCK_M of one expert: w2 tile GEMM in FP32, times the routing weight, FP32 store."""
+    rm = m0 + tl.arange(0, BLOCK_M)
+    mmask = rm < c
+    rows = (off + rm).to(tl.int64)
+    a_ptrs = act_ptr + rows[:, None] * INTER + offs_k[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k in tl.range(0, INTER, BLOCK_K, num_stages=STAGES):
+        if INTER % BLOCK_K == 0:
+            at = tl.load(a_ptrs + k, mask=mmask[:, None], other=0.0)
+            wt = tl.load(w_base + k, eviction_policy="evict_first")
+        else:
+            kmask = (k + offs_k) < INTER
+            at = tl.load(a_ptrs + k, mask=mmask[:, None] & kmask[None, :], other=0.0)
+            wt = tl.load(w_base + k, mask=kmask[None, :], other=0.0, eviction_policy="evict_first")
+        if INTERPRET:
+            acc = tl.dot(wt.to(tl.float32), tl.trans(at).to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(wt, tl.trans(at), acc)
+    pair = tl.load(order_ptr + off + rm, mask=mmask, other=0)
+    wgt = tl.load(tw_ptr + pair, mask=mmask, other=0.0).to(tl.float32)
+    out = ys_ptr + rows[None, :] * LAT + offs_n[:, None]
+    tl.store(out, acc * wgt[None, :], mask=(offs_n < LAT)[:, None] & mmask[None, :])
+
+
+@triton.jit
+def _gemm2_kernel(
+    act_ptr,  # [P, I] bf16
+    w2_ptr,  # [E, Lat, I] bf16
+    tw_ptr,  # [T*K] routing weights
+    ys_ptr,  # [P, Lat] fp32 out
+    counts_ptr, offsets_ptr, order_ptr,
+    stride_we, stride_wn,
+    LAT: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BIG_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, BIG_STAGES: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """ys[rows of expert e, n-tile] = routing weight * (act[rows] @ w2[e] tile^T), FP32."""
+    pid_n = tl.program_id(0)
+    e = tl.program_id(1)
+    c = tl.load(counts_ptr + e)
+    off = tl.load(offsets_ptr + e)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = tl.minimum(offs_n, LAT - 1).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_base = w2_ptr + e.to(tl.int64) * stride_we + rn[:, None] * stride_wn + offs_k[None, :]
+    if c > BLOCK_M:
+        for m0 in range(0, c, BIG_M):
+            _gemm2_pass(act_ptr, w_base, tw_ptr, ys_ptr, order_ptr, off, c, m0, offs_n, offs_k, LAT, INTER, BIG_M,
+                        BLOCK_N, BLOCK_K, BIG_STAGES, INTERPRET)
+    elif c > 0:
+        _gemm2_pass(act_ptr, w_base, tw_ptr, ys_ptr, order_ptr, off, c, 0, offs_n, offs_k, LAT, INTER, BLOCK_M,
+                    BLOCK_N, BLOCK_K, STAGES, INTERPRET)
+
+
+@triton.jit(do_not_specialize=["expert_start", "E"])
+def _combine_kernel(ids_ptr, row_of_ptr, ys_ptr, out_ptr, expert_start, E, K_TOP: tl.constexpr,
+                    KP: tl.constexpr, LAT: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[t, d-block] = 0 + the ys rows of token t's local pairs, in ascending local expert id (FP32)."""
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = d < LAT
+    j = tl.arange(0, KP)
+    in_k = j < K_TOP
+    loc = tl.load(ids_ptr + t * K_TOP + j, mask=in_k, other=-1).to(tl.int32) - expert_start
+    valid = in_k & (loc >= 0) & (loc < E)
+    row = tl.load(row_of_ptr + t * K_TOP + j, mask=valid, other=0)
+    key = tl.where(valid, loc, E)
+    ki = key[:, None]
+    kj = key[None, :]
+    before = (kj < ki) | ((kj == ki) & (j[None, :] < j[:, None]))  # slot j is added before slot i
+    rank = tl.sum((before & in_k[None, :]).to(tl.int32), axis=1)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for r in tl.static_range(K_TOP):  # ascending local expert id, ties in slot order
+        sel = valid & (rank == r)
+        n = tl.sum(sel.to(tl.int32), axis=0)  # 1 where some slot has rank r, else 0
+        rr = tl.sum(tl.where(sel, row, 0), axis=0).to(tl.int64)
+        acc += tl.load(ys_ptr + rr * LAT + d, mask=dmask & ((d * 0 + n) > 0), other=0.0)
+    tl.store(out_ptr + t * LAT + d, acc, mask=dmask)
+
+
+def unsupported(x, w13, w2, topk_weights, topk_ids) -> str | None:
+    """Why these inputs cannot take the Triton path (None when they can)."""
+    if not (x.is_cuda or _INTERPRET):
+        return "not on CUDA"
+    if x.dtype != torch.bfloat16 or w13.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16:
+        return f"dtypes x {x.dtype}, w13 {w13.dtype}, w2 {w2.dtype} (BF16 needed)"
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3 or topk_ids.dim() != 2:
+        return "ranks: x [T, Lat], w13 [E, 2I, Lat], w2 [E, Lat, I], topk_ids [T, K] needed"
+    E, two_i, lat = w13.shape
+    if E < 1:
+        return "no local experts"
+    if w2.shape != (E, lat, two_i // 2) or x.shape[1] != lat or two_i % 2:
+        return f"shapes x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} do not match"
+    if topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != x.shape[0]:
+        return f"topk_weights {tuple(topk_weights.shape)} / topk_ids {tuple(topk_ids.shape)} do not match x"
+    if topk_ids.dtype not in (torch.int32, torch.int64) or not topk_weights.is_floating_point():
+        return f"topk dtypes {topk_ids.dtype}, {topk_weights.dtype}"
+    if x.stride(1) != 1 or w13.stride(2) != 1 or w2.stride(2) != 1:
+        return "x, w13, w2 need unit stride along their last dim"
+    return None
+
+
+def routed_experts_triton(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    expert_start: int, beta: float, beta_lin: float, tactic: ExpertsTactic = DEFAULT_TACTIC,
+) -> torch.Tensor:
+    """Weighted sum of each token's selected local experts, FP32 [T, Lat] (see the module doc).
+
+    x: [T, Lat] BF16; w13: [E, 2I, Lat] BF16; w2: [E, Lat, I] BF16; topk_weights: [T, K];
+    topk_ids: [T, K] global ids (int32/int64). Raises ValueError on inputs ``unsupported`` names.
+    """
+    why = unsupported(x, w13, w2, topk_weights, topk_ids)
+    if why:
+        raise ValueError(f"routed_experts_triton: {why}")
+    T, K = topk_ids.shape
+    E, two_i, lat = w13.shape
+    inter = two_i // 2
+    P = T * K
+    dev = x.device
+    out = torch.empty(T, lat, dtype=torch.float32, device=dev)
+    if P == 0:
+        return out.zero_()
+    ids = topk_ids.contiguous().view(-1)  # [P]
+    tw = topk_weights.contiguous().view(-1)  # [P]
+    counts = torch.empty(E, dtype=torch.int32, device=dev)
+    offsets = torch.empty(E, dtype=torch.int32, device=dev)
+    order = torch.empty(P, dtype=torch.int32, device=dev)  # sorted position -> pair
+    row_of = torch.empty(P, dtype=torch.int32, device=dev)  # pair -> sorted position (local pairs)
+    act = torch.empty(P, inter, dtype=torch.bfloat16, device=dev)
+    ys = torch.empty(P, lat, dtype=torch.float32, device=dev)
+    chunk = 1024 if P <= 1024 else 2048  # two compiled variants; a masked lane costs next to nothing
+    _count_kernel[(E,)](ids, counts, offsets, order, row_of, P, int(expert_start), E, CHUNK=chunk,
+                        num_warps=chunk // 256)
+    bm = tactic.block_m or experts_block_m(T)
+    big = max(bm, BIG_M)
+    common = dict(LAT=lat, INTER=inter, BLOCK_M=bm, BIG_M=big, BLOCK_K=tactic.block_k, INTERPRET=_INTERPRET,
+                  num_warps=tactic.num_warps)
+    _gemm1_kernel[(triton.cdiv(inter, tactic.block_n1), E)](
+        x, w13, act, counts, offsets, order, x.stride(0), w13.stride(0), w13.stride(1), K, float(beta),
+        float(beta_lin), BLOCK_N=tactic.block_n1, **_pipeline(2 * tactic.block_n1, bm, big, tactic), **common)
+    _gemm2_kernel[(triton.cdiv(lat, tactic.block_n2), E)](
+        act, w2, tw, ys, counts, offsets, order, w2.stride(0), w2.stride(1), BLOCK_N=tactic.block_n2,
+        **_pipeline(tactic.block_n2, bm, big, tactic), **common)
+    block_d = min(2048, triton.next_power_of_2(lat))
+    _combine_kernel[(T, triton.cdiv(lat, block_d))](ids, row_of, ys, out, int(expert_start), E, K_TOP=K,
+                                                     KP=max(2, triton.next_power_of_2(K)), LAT=lat,
+                                                     BLOCK_D=block_d, num_warps=4)
+    return out
+
+
+def routed_experts_dep(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    expert_start: int, ep_size: int, beta: float, beta_lin: float,
+) -> torch.Tensor:
+    """The MoE op's routed experts on CUDA: [T, Lat] BF16, like ``kimi_k3::routed_experts``.
+
+    ``ep_size > 1`` dispatches over the EP group with this module's kernels as the local experts;
+    inputs the kernels refuse run the stock op (logged once).
+    """
+    why = unsupported(x, w13, w2, topk_weights, topk_ids)
+    if why:
+        log_fallback("moe", f"routed experts: {why}", "the stock routed_experts op")
+        return torch.ops.kimi_k3.routed_experts(x, w13, w2, topk_weights, topk_ids, expert_start, ep_size, beta,
+                                                beta_lin)
+
+    def local(xs, a, b, w, ids, start):
+        return routed_experts_triton(xs, a, b, w, ids, start, beta, beta_lin)
+
+    if ep_size > 1:
+        from ..runtime.ep import dispatch_combine  # noqa: PLC0415
+
+        return dispatch_combine(x, w13, w2, topk_weights, topk_ids, expert_start, ep_size, local)
+    return local(x, w13, w2, topk_weights, topk_ids, expert_start).to(x.dtype)

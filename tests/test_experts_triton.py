@@ -1,0 +1,250 @@
+"""kimi_dep's routed-experts kernels (``dep_compile.ops.experts_triton``) against the CPU reference.
+
+Each case draws seeded random BF16 inputs on the CPU (never zeros), runs the Triton path and
+compares with ``routed_experts_partial`` (FP32 [T, Lat]) on the same inputs. The kernels compute
+the reference's function with the reference's roundings (gate/up rounded to BF16, SiTU in FP32
+rounded to BF16, FP32 second GEMM times the routing weight, FP32 sum in the reference's order);
+only the FP32 accumulation order inside the GEMMs and the tanh / sigmoid implementation differ,
+which can flip a BF16 rounding of a gate/up/activation element by one ulp (2^-8 relative). Bound:
+``max |got - ref| <= 2^-6 * max |ref|`` and ``||got - ref|| / ||ref|| <= 4e-3`` (stock's grouped
+GEMMs, which round each expert's output to BF16 once more, are held to 2e-2).
+
+Sizes: ``small`` (Lat 96, I 48, 12 local experts, top-4; ragged tiles and K tail) runs in Triton's
+CPU interpreter (``TRITON_TEST_DEVICE=cpu TRITON_INTERPRET=1``) and on CUDA; ``full`` (K3's Lat
+3584, I 3072, top-16; 56 local experts of 896, or the slice's 64) on CUDA only. Cases: 1 / 4 /
+16 (/ 64) tokens, ids of other ranks, one expert taking every token, empty experts, and two runs
+bit-equal. The MoE op test checks ``kimi_dep::moe`` with this path against the stock layer.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dep_compile.stock.reference.moe import routed_experts_partial
+
+from triton_device import TRITON_DEV as _DEV, device_test, use_triton
+
+BETA, BETA_LIN = 4.0, 25.0
+SMALL = dict(lat=96, inter=48, E=12, K=4)
+FULL = dict(lat=3584, inter=3072, K=16)
+
+
+def _et():
+    use_triton()
+    from dep_compile.ops import experts_triton  # noqa: PLC0415 - CUDA / interpreter only
+
+    return experts_triton
+
+
+def _tactic(et, size):
+    """Small tiles in the interpreter (ragged last N tile, a K tail); the default on CUDA at full size."""
+    return et.ExpertsTactic(block_n1=32, block_n2=64, block_k=32, num_warps=4, num_stages=2) if size == "small" \
+        else et.DEFAULT_TACTIC
+
+
+def _case(T, *, lat, inter, E, K, start=0, E_total=None, ids=None, seed=0):
+    """(x, w13, w2, topk_weights, topk_ids) on the test device, seeded random (drawn there: full-size
+    weights are GBs); each token picks K distinct experts of E_total unless ``ids`` is given."""
+    g = torch.Generator().manual_seed(seed)
+    gd = torch.Generator(device=_DEV).manual_seed(seed)
+    x = torch.randn(T, lat, generator=gd, device=_DEV).to(torch.bfloat16)
+    w13 = (torch.randn(E, 2 * inter, lat, generator=gd, device=_DEV) * lat ** -0.5 * 2).to(torch.bfloat16)
+    w2 = (torch.randn(E, lat, inter, generator=gd, device=_DEV) * inter ** -0.5).to(torch.bfloat16)
+    if ids is None:
+        ids = torch.stack([torch.randperm(E_total or E, generator=g)[:K] for _ in range(T)])
+    w = torch.rand(T, K, generator=g) + 0.1
+    return x, w13, w2, w.to(_DEV), ids.to(_DEV)
+
+
+def _check(et, case, start, tactic):
+    """The kernels against the reference (run on the same device, FP32) within the module's bounds."""
+    ref = routed_experts_partial(*case, start, BETA, BETA_LIN)
+    got = et.routed_experts_triton(*case, start, BETA, BETA_LIN, tactic=tactic)
+    assert got.dtype == torch.float32 and got.shape == ref.shape
+    assert torch.isfinite(got).all()
+    scale = float(ref.abs().max())
+    assert scale > 0.1, "the case routes no real work to local experts"
+    err = float((got - ref).abs().max())
+    rel = float((got - ref).norm() / ref.norm())
+    assert err <= 2 ** -6 * scale and rel <= 4e-3, f"max err {err:.3e} (scale {scale:.2f}), rel {rel:.2e}"
+    return got
+
+
+SIZES = ("small",) if _DEV == "cpu" else ("small", "full")
+
+
+def _shape(size, E=None):
+    if size == "small":
+        return dict(SMALL)
+    return dict(FULL, E=E or 56)
+
+
+@device_test
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("T", [1, 4, 16])
+def test_all_local(size, T):
+    et = _et()
+    sh = _shape(size, E=64)
+    _check(et, _case(T, **sh, seed=T), 0, _tactic(et, size))
+
+
+@device_test
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("T", [1, 4, 16])
+def test_ep_ids_of_other_ranks(size, T):
+    """A middle rank: local experts start .. start + E of 16 ranks' worth; most ids are elsewhere."""
+    et = _et()
+    sh = _shape(size)
+    E = sh["E"]
+    tokens = T if size == "small" else 4 * T  # enough tokens that some land on this rank
+    case = _case(tokens, **sh, E_total=16 * E if size == "full" else 3 * E, seed=100 + T)
+    ids = case[4]
+    for t in range(0, tokens, 2):  # every other token picks at least one of this rank's experts
+        if not ((ids[t] >= E) & (ids[t] < 2 * E)).any():
+            ids[t, t % sh["K"]] = E + (5 * t) % E
+    _check(et, case, E, _tactic(et, size))
+
+
+@device_test
+@pytest.mark.parametrize("size", SIZES)
+def test_one_expert_takes_every_token_and_empty_experts(size):
+    """Every token picks local expert 3 (plus other ranks' ids); the other local experts are empty.
+    70 rows: more than one pass of block_m (32), so the crowded-expert loop runs two passes of 64."""
+    et = _et()
+    sh = _shape(size)
+    E, K = sh["E"], sh["K"]
+    T = 70
+    g = torch.Generator().manual_seed(7)
+    ids = torch.stack([torch.cat([torch.tensor([3]), E + torch.randperm(2 * E, generator=g)[: K - 1]])
+                       for _ in range(T)])
+    ids = ids[:, torch.randperm(K, generator=g)]  # expert 3 in any slot
+    _check(et, _case(T, **sh, ids=ids, seed=8), 0, _tactic(et, size))
+
+
+@device_test
+def test_tokens_without_local_experts_give_zero():
+    et = _et()
+    x, w13, w2, w, ids = _case(5, **SMALL, E_total=3 * SMALL["E"], seed=9)
+    ids[1] = torch.arange(SMALL["K"]) + 2 * SMALL["E"]  # token 1: only another rank's experts
+    got = et.routed_experts_triton(x, w13, w2, w, ids, SMALL["E"], BETA, BETA_LIN, tactic=_tactic(et, "small"))
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+    ref = routed_experts_partial(x, w13, w2, w, ids, SMALL["E"], BETA, BETA_LIN)
+    assert float((got - ref).abs().max()) <= 2 ** -6 * float(ref.abs().max())
+
+
+@device_test
+@pytest.mark.parametrize("size", SIZES)
+def test_deterministic(size):
+    """Two runs on the same inputs are bit-equal (no atomics; fixed row and summation order)."""
+    et = _et()
+    sh = _shape(size)
+    case = _case(16, **sh, E_total=2 * sh["E"], seed=11)
+    tac = _tactic(et, size)
+    a = et.routed_experts_triton(*case, 0, BETA, BETA_LIN, tactic=tac)
+    b = et.routed_experts_triton(*case, 0, BETA, BETA_LIN, tactic=tac)
+    assert torch.equal(a, b)
+
+
+@device_test
+def test_bad_input_raises():
+    et = _et()
+    x, w13, w2, w, ids = _case(2, **SMALL)
+    with pytest.raises(ValueError, match="BF16"):
+        et.routed_experts_triton(x.float(), w13, w2, w, ids, 0, BETA, BETA_LIN)
+    with pytest.raises(ValueError, match="do not match"):
+        et.routed_experts_triton(x[:, :-1], w13, w2, w, ids, 0, BETA, BETA_LIN)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("E", [56, 64])
+@pytest.mark.parametrize("T", [1, 4, 16, 64])
+def test_full_size(E, T):
+    """K3 widths; E = 56 as one EP16 rank (ids of all 896 experts, rank 3's local) or the slice's 64."""
+    et = _et()
+    start, total = (3 * 56, 896) if E == 56 else (0, 64)
+    tokens = T if E == 64 else 16 * T  # on an EP16 rank about 1 of a token's 16 picks is local
+    _check(et, _case(tokens, **FULL, E=E, E_total=total, seed=T + E), start, et.DEFAULT_TACTIC)
+
+
+@pytest.mark.cuda
+def test_capture_in_cuda_graph():
+    """Captured once, replayed on new ids and inputs: equals an eager call (no host sync inside)."""
+    et = _et()
+    sh = dict(FULL, E=56)
+    case = _case(64, **sh, E_total=112, seed=21)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        et.routed_experts_triton(*case, 0, BETA, BETA_LIN)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = et.routed_experts_triton(*case, 0, BETA, BETA_LIN)
+    fresh = _case(64, **sh, E_total=112, seed=22)
+    for dst, src in zip(case, fresh):
+        dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, et.routed_experts_triton(*case, 0, BETA, BETA_LIN))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("T", [1, 16, 64])
+def test_moe_op_experts_tail_matches_stock(T):
+    """EpMoeLayer.experts_tail (this path) against the same tail over the stock op, full-size experts.
+
+    Same routing and latent in; outputs BF16 [T, hidden]. The stock op rounds each expert's output
+    to BF16 before the weighted sum; we do not: relative Frobenius error <= 1e-2, max <= 2^-4 of the
+    largest output (the translation-validation bound on CUDA)."""
+    from dep_compile.ops import fallbacks  # noqa: PLC0415
+    from dep_compile.ops.moe import EpMoeLayer  # noqa: PLC0415
+
+    sh = dict(FULL, E=56)
+    x, w13, w2, w, ids = _case(T * 16, **sh, E_total=896, seed=30 + T)
+    g = torch.Generator().manual_seed(31)
+    norm_w = (1 + 0.1 * torch.randn(sh["lat"], generator=g)).to(torch.bfloat16).cuda()
+    up_w = (torch.randn(512, sh["lat"], generator=g) * sh["lat"] ** -0.5).to(torch.bfloat16).cuda()
+    layer = EpMoeLayer(shared_inter=0, latent=sh["lat"], top_k=16, scale=2.5, beta=BETA, beta_lin=BETA_LIN,
+                       norm_eps=1e-5, expert_start=168, ep_size=1, front_max=64, front=None)
+    got = layer.experts_tail(x, w, ids, w13, w2, norm_w, up_w).float()
+    assert not [k for k in fallbacks.LOGGED if "routed experts" in k], "the Triton path fell back to stock"
+    stock = torch.ops.kimi_k3.routed_experts(x, w13, w2, w, ids, 168, 1, BETA, BETA_LIN)
+    ref = torch.nn.functional.rms_norm(stock.float(), (sh["lat"],), norm_w.float(), 1e-5).to(x.dtype)
+    ref = torch.nn.functional.linear(ref, up_w).float()
+    rel = float((got - ref).norm() / ref.norm())
+    assert rel <= 1e-2 and float((got - ref).abs().max()) <= 2 ** -4 * float(ref.abs().max()), rel
+
+
+class _MoeBlock(torch.nn.Module):
+    def __init__(self, cfg):
+        from dep_compile.stock.moe import KimiMoE  # noqa: PLC0415
+
+        super().__init__()
+        self.mlp = KimiMoE(cfg)
+
+    def forward(self, x):
+        return self.mlp(x)
+
+
+@pytest.mark.cuda
+def test_moe_op_matches_stock_layer():
+    """The whole kimi_dep MoE op (this experts path inside) against the stock layer in eager, small
+    widths (latent 256, intermediate 64: masked K tails), 16 rows; relative Frobenius error < 2e-2."""
+    import dep_compile  # noqa: PLC0415
+    from dep_compile.ops import fallbacks  # noqa: PLC0415
+    from dep_compile.stock import preset  # noqa: PLC0415
+    from dep_compile.stock.model import init_weights  # noqa: PLC0415
+
+    rows = 16
+    cfg = preset("k31-small", hidden_size=512, moe_latent_size=256, shared_intermediate=256)
+    block = init_weights(_MoeBlock(cfg), seed=0).cuda().eval().requires_grad_(False)
+    dep = torch.compile(block, backend="kimi_dep", fullgraph=True)
+    x = torch.randn(rows, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref, out = block(x), dep(x)
+    assert dep_compile.last_report().rewritten("moe")
+    assert not [k for k in fallbacks.LOGGED if "routed experts" in k], "the Triton path fell back to stock"
+    # BF16 outputs; the FP32 router summed in another order can flip a near-tied expert
+    rel = float((out.float() - ref.float()).norm() / ref.float().norm())
+    assert rel < 2e-2, rel
