@@ -31,8 +31,53 @@ def kimi_dep(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, options
         rewrite.finalize()
         return gm.forward
     patches = {**(list_mode_options(mode) if mode else {}), **opts.inductor_config}
+    if patches.get("triton.cudagraphs"):
+        warn_if_not_graphable(gm, example_inputs)
     if opts.dump_dir:  # a dump wants a fresh compile of everything downstream, not a cache hit
         patches.setdefault("force_disable_caches", True)
     compiled = compile_fx(gm, example_inputs, config_patches=patches or None)
     rewrite.finalize()  # zero-copy weight packing: swap param.data only after compile_fx returns
     return compiled
+
+
+def mutated_inputs(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The placeholders some call writes in place (a schema argument marked ``(a!)``, or a ``x.op_()`` method)."""
+    placeholders = set(gm.graph.find_nodes(op="placeholder"))
+    out: dict[torch.fx.Node, None] = {}
+    for node in gm.graph.nodes:
+        written: list = []
+        if node.op == "call_method" and node.target.endswith("_") and not node.target.endswith("__"):
+            written = node.args[:1]
+        elif node.op == "call_function":
+            t = node.target
+            if isinstance(t, torch._ops.OpOverloadPacket):
+                t = getattr(t, "default", None)
+            if isinstance(t, torch._ops.OpOverload):
+                for i, a in enumerate(t._schema.arguments):
+                    if a.alias_info is not None and a.alias_info.is_write:
+                        written.append(node.args[i] if i < len(node.args) else node.kwargs.get(a.name))
+        out.update((w, None) for w in written if w in placeholders)
+    return list(out)
+
+
+def cudagraph_blockers(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> list[str]:
+    """Why cudagraph trees would run this graph without a CUDA graph; empty when it can be graphed."""
+    reasons = []
+    devices = sorted({str(x.device) for x in example_inputs if isinstance(x, torch.Tensor) and x.device.type != "cuda"})
+    if devices:
+        reasons.append(f"inputs on {', '.join(devices)} (CUDA graphs need every tensor on CUDA)")
+    loose = [n.name for n in mutated_inputs(gm)
+             if not n.meta.get("tensor_dict", {}).get("_dynamo_static_input_type")]
+    if loose:
+        reasons.append(f"{len(loose)} input(s) written in place without a static address ({', '.join(loose[:4])}"
+                       f"{', ...' if len(loose) > 4 else ''}): allocate caches with KimiCache.allocate, or call "
+                       "cache.mark_static() (torch._dynamo.mark_static_address on each tensor) before the first step")
+    return reasons
+
+
+def warn_if_not_graphable(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+    """Log, as one warning per compiled graph, why ``mode="reduce-overhead"`` will not CUDA-graph it."""
+    reasons = cudagraph_blockers(gm, example_inputs)
+    if reasons:
+        log.warning("kimi_dep: CUDA graphs were asked for (mode=\"reduce-overhead\" or triton.cudagraphs) but this "
+                    "graph will run without them: %s.", "; ".join(reasons))

@@ -76,7 +76,19 @@ class KimiCache:
                 layers.append(LayerCache(kv_cache=kv.pop(0)))
             else:
                 layers.append(LayerCache(kv_cache=kv.pop(0), index_cache=idx.pop(0), index_scale=scl.pop(0)))
-        return cls(layers, num_slots, num_blocks, block_size)
+        return cls(layers, num_slots, num_blocks, block_size).mark_static()
+
+    def mark_static(self) -> "KimiCache":
+        """Give every cache tensor a static address for torch.compile; returns self.
+
+        The ops mutate the caches in place, and cudagraph trees (``mode="reduce-overhead"``)
+        graph a step that mutates its inputs only when those inputs are static: unguarded, so a
+        step on another cache re-records the graph instead of recompiling.
+        """
+        for lc in self.layers:
+            for t in lc.tensors().values():
+                torch._dynamo.mark_static_address(t, guard=False)
+        return self
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """A copy of every cache tensor, keyed ``layer.<i>.<name>``."""
@@ -85,7 +97,7 @@ class KimiCache:
     def clone(self) -> "KimiCache":
         """A deep copy (pooled views become plain tensors)."""
         return KimiCache([LayerCache(**{n: t.clone() for n, t in lc.tensors().items()}) for lc in self.layers],
-                         self.num_slots, self.num_blocks, self.block_size)
+                         self.num_slots, self.num_blocks, self.block_size).mark_static()
 
 
 @dataclasses.dataclass

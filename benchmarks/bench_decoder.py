@@ -1,0 +1,433 @@
+"""The whole decode step of a full-width K3.1 slice: stock under plain Inductor vs kimi_dep.
+
+    python benchmarks/bench_decoder.py [--rows 1 64] [--context 4096] [--q 1] [--layers 4]
+        [--experts 64 | --local-experts 56] [--modes hand ro] [--profile] [--out DIR]
+
+The model: ``preset("k31", num_layers=--layers)`` with ``--experts`` routed experts (default the
+slice of issue 17: [KDA + dense MLP, KDA, KDA, DSA], 3 MoE layers of 64 experts top-16, lm_head),
+or with ``--local-experts N`` an EP16 rank's shape: a router over 896 experts and N local experts
+(ids owned by other ranks add nothing). Random BF16 weights, drawn on the device.
+
+Per point (``rows`` requests x ``q`` tokens, ``context`` tokens per request after the step), in
+one process: eager stock, stock compiled by plain Inductor, and the ``kimi_dep``-compiled model,
+each with ``fullgraph=True, dynamic=False`` (one graph per point, as serving captures one per
+batch size). Timed two ways each: ``hand`` captures the compiled step in a CUDA graph by hand
+(``common.time_graph``: CUDA events over replays, medians); ``ro`` compiles with
+``mode="reduce-overhead"`` and times plain calls (cudagraph trees; events around each call, the
+median), which is what a user gets. Weights are not rotated: a step reads GBs of weights (the
+default slice holds ~23 GB and reads 8-23 GB a step), hundreds of times the 60 MB L2, so no launch finds them in L2.
+
+Reported per point: µs per step for each side and way, stock / kimi_dep, the step's HBM floor
+(``floor_bytes``) at 4.33 and 4.8 TB/s and each time over it; parity: the logits' relative
+Frobenius error against eager for each side, and routing agreement (the fraction of (token,
+expert) picks equal to eager's, over every MoE layer; ``record_routing``). ``--profile`` adds a
+per-kernel breakdown of one point, grouped by kernel family (``KERNEL_GROUPS``), from profiled
+CUDA-graph replays. Writes ``decoder.json`` (after every point), ``decoder.png`` and
+``decoder.md`` (the table) under ``--out``.
+
+``--device cpu`` is a smoke run for CI (tiny configs; eager vs kimi_dep pattern-only, timed by
+the wall clock, which measures nothing): every path but the GPU timing runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+from unittest import mock
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_attention import traffic_bytes  # noqa: E402
+from common import (floors_us, format_table, plot_panels, raise_recompile_limits, rel_err,  # noqa: E402
+                    time_graph, write_json)
+
+import dep_compile  # noqa: E402
+from dep_compile.stock import KimiCache, RequestBatch, preset  # noqa: E402
+from dep_compile.ops.moe import EpMoeLayer  # noqa: E402
+from dep_compile.stock import ops as stock_ops  # noqa: E402
+from dep_compile.stock.model import KimiK3ForCausalLM  # noqa: E402
+from dep_compile.stock.moe import FusedExperts  # noqa: E402
+
+SIDES = ("stock", "kimi_dep")  # stock = the stock model compiled by plain Inductor
+# Kernel families for --profile, first match wins (lower-case substrings of the kernel name). Inductor's
+# kernels (triton_*) are named after the ops they fuse, so they go by that prefix (AttnRes first). ATen's
+# grouped GEMM (torch._grouped_mm) is a CUTLASS 3.x kernel ("...at::cuda::detail::
+# enable_3x_kernel_for_sm9x..."); the plain GEMMs here are cuBLAS's (nvjet, cublasLt).
+KERNEL_GROUPS = (
+    ("AttnRes", ("attn_res",)),
+    ("Inductor glue (norms, router, SiTU, casts)", ("triton_",)),
+    ("routed experts", ("grouped", "experts", "enable_3x_kernel_for_sm9x", "_gemm1_kernel", "_gemm2_kernel",
+                        "_count_kernel")),
+    ("router (kimi_dep)", ("_select_kernel", "router")),
+    ("KDA core", ("kda", "recurrent", "_conv_kernel", "gated_norm")),
+    ("DSA / MLA core", ("indexer", "index_logits", "key_insert", "sparse_mla", "topk", "radix", "mla",
+                        "paged_insert", "latent", "absorb", "uv_gate")),
+    ("split-K GEMMs (Triton or cuBLAS's)", ("splitk",)),
+    ("cuBLAS GEMMs", ("gemm", "nvjet", "cublas", "cutlass")),
+    ("ATen elementwise (gathers, copies)", ("elementwise", "index", "copy", "cat")),
+)
+
+
+def build_model(cfg, device, seed: int = 0, local_experts: int | None = None) -> KimiK3ForCausalLM:
+    """The stock decoder with random weights drawn on ``device``, frozen, in eval mode.
+
+    The scales mirror ``dep_compile.stock.model.init_weights`` (which draws on the CPU: minutes for
+    the GBs of a full-width slice). ``local_experts``: each MoE keeps that many experts (expert ids
+    0..N-1 of the router's ``n_routed_experts``), run alone, as one EP rank's share.
+    """
+    with torch.device("meta"):
+        model = KimiK3ForCausalLM(cfg)
+        if local_experts:
+            for layer in model.model.layers:
+                if hasattr(layer.mlp, "experts"):
+                    layer.mlp.experts = FusedExperts(cfg, num_local=local_experts, ep_size=1)
+    model = model.to_empty(device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    keep_fp32 = ("A_log", "dt_bias", "e_score_correction_bias")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            val = torch.empty(p.shape, device=device)
+            if name.endswith("norm.weight") or ".k_norm." in name:
+                val.normal_(1.0 if leaf == "weight" else 0.0, 0.1, generator=g)
+            elif leaf == "A_log":
+                val.uniform_(1, 16, generator=g).log_()
+            elif leaf in ("dt_bias", "e_score_correction_bias", "query"):
+                val.normal_(0.0, {"dt_bias": 0.5, "e_score_correction_bias": 0.05, "query": 0.5}[leaf], generator=g)
+            else:
+                val.normal_(0.0, p.shape[-1] ** -0.5 if p.dim() >= 2 else 1.0, generator=g)
+            p.data = val.to(torch.float32 if leaf in keep_fp32 else torch.bfloat16)
+    return model.eval().requires_grad_(False)
+
+
+@contextlib.contextmanager
+def record_routing():
+    """Yields a list that receives the topk_ids [T, K] (a copy) of each MoE layer's experts call, in
+    call order (one per MoE layer and step), from eager and compiled code alike.
+
+    Two hooks: the stock ``kimi_k3::routed_experts`` op (wrapping ``CustomOpDef._backend_fns``, which
+    the dispatcher's kernel for each device looks up per call, so Inductor's code is seen too), and
+    the kimi_dep MoE op's ``EpMoeLayer.experts_tail`` (which may run its own experts kernels; a stock
+    op call inside it is not counted twice). Run graphs by hand outside it: a replay runs no Python.
+    """
+    calls: list[torch.Tensor] = []
+    inside_tail = []
+    fns = stock_ops.routed_experts._backend_fns
+
+    def hook_op(impl):
+        def hooked(x, w13, w2, topk_weights, topk_ids, *rest):
+            if not inside_tail:
+                calls.append(topk_ids.detach().clone())
+            return impl(x, w13, w2, topk_weights, topk_ids, *rest)
+        return hooked
+
+    tail = EpMoeLayer.experts_tail
+
+    def hooked_tail(self, latent, topk_w, topk_ids, *rest):
+        calls.append(topk_ids.detach().clone())
+        inside_tail.append(True)
+        try:
+            return tail(self, latent, topk_w, topk_ids, *rest)
+        finally:
+            inside_tail.pop()
+
+    with mock.patch.dict(fns, {device: hook_op(impl) for device, impl in fns.items()}), \
+            mock.patch.object(EpMoeLayer, "experts_tail", hooked_tail):
+        yield calls
+
+
+def routing_agreement(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
+    """The fraction of (token, expert) picks in ``got`` that ``ref`` also made, over every MoE call."""
+    assert len(got) == len(ref) and got, f"{len(got)} MoE calls recorded vs {len(ref)} for eager"
+    same = total = 0
+    for a, b in zip(got, ref):
+        hit = (a.unsqueeze(-1) == b.unsqueeze(-2)).any(-1)  # [T, K]: pick a[t, k] is among b[t]
+        same += int(hit.sum())
+        total += hit.numel()
+    return same / total
+
+
+def floor_bytes(model: KimiK3ForCausalLM, rows: int, q: int, context: int, routing: list[torch.Tensor]) -> dict:
+    """The bytes a step must move, by term: every weight read once (the embedding: only the rows
+    it gathers), routed experts only where touched, KDA states, DSA keys and selected latents."""
+    cfg = model.config
+    T = rows * q
+    weights = experts = 0
+    for name, p in model.named_parameters():
+        nbytes = p.numel() * p.element_size()
+        if name.endswith("embed_tokens.weight"):
+            weights += T * p.shape[1] * p.element_size()
+        elif ".experts." not in name:
+            weights += nbytes
+    moe = [layer.mlp.experts for layer in model.model.layers if hasattr(layer.mlp, "experts")]
+    for experts_mod, ids in zip(moe, routing[:len(moe)]):
+        num_local = experts_mod.w13_weight.shape[0]
+        per_expert = (experts_mod.w13_weight[0].numel() + experts_mod.w2_weight[0].numel()) * 2
+        touched = ids - experts_mod.expert_start
+        experts += touched[(touched >= 0) & (touched < num_local)].unique().numel() * per_expert
+    kinds = [layer.kind for layer in model.model.layers]
+    states = kinds.count("kda") * traffic_bytes(cfg, "kda", rows, q)
+    attention = sum(traffic_bytes(cfg, k, rows, q, context) for k in kinds if k in ("dsa", "mla"))
+    total = weights + experts + states + attention
+    return dict(weights=weights, experts=experts, kda_states=states, dsa_mla=attention, total=total)
+
+
+class Point:
+    """One grid point's inputs: token ids, the step's metadata and caches sized to it."""
+
+    def __init__(self, cfg, rows: int, q: int, context: int, block_size: int, device, seed: int = 0):
+        blocks = rows * math.ceil(context / block_size)
+        self.cache = KimiCache.allocate(cfg, num_slots=rows, num_blocks=blocks, block_size=block_size,
+                                        device=device, seed=None)
+        g = torch.Generator(device=device).manual_seed(seed)
+        for lc in self.cache.layers:  # random on the device (KimiCache.allocate's ranges), never zeros
+            for name, t in lc.tensors().items():
+                val = torch.empty(t.shape, device=device).normal_(0, 4 if name == "index_cache" else 0.5, generator=g)
+                t.copy_(val.clamp_(-8, 8) if name == "index_cache" else
+                        val.abs_().add_(0.01) if name == "index_scale" else val)
+        self.meta = RequestBatch(self.cache, rows, start_len=context - q, device=device, seed=seed).step(q)
+        self.ids = torch.randint(0, cfg.vocab_size, (rows * q,), generator=g, device=device)
+
+    def run(self, fn, cache=None):
+        return fn(self.ids, self.meta, cache if cache is not None else self.cache)
+
+
+def compile_side(model, side: str, ro: bool, options: dict | None = None):
+    """``torch.compile`` of one side: plain Inductor on stock, or kimi_dep; ``ro``: reduce-overhead."""
+    backend = "inductor" if side == "stock" else "kimi_dep"
+    if side == "kimi_dep" and options is not None:  # options exclude mode=: patch Inductor's config instead
+        cfg = {**options.get("inductor_config", {}), **({"triton.cudagraphs": True} if ro else {})}
+        return torch.compile(model, backend=backend, fullgraph=True, dynamic=False,
+                             options={**options, "inductor_config": cfg})
+    return torch.compile(model, backend=backend, fullgraph=True, dynamic=False,
+                         mode="reduce-overhead" if ro else None)
+
+
+def cudagraph_nodes() -> int:
+    """CUDA graphs recorded by cudagraph trees on the current device so far (0 when none)."""
+    from torch._inductor import cudagraph_trees
+
+    manager = cudagraph_trees.get_container(torch.cuda.current_device()).tree_manager
+    if manager is None:
+        return 0
+    return sum(1 + node.num_descendants() for node in manager.get_roots())
+
+
+def time_calls(fn, calls: int = 20, warmup: int = 3) -> float:
+    """Median µs of ``fn()`` called back to back, CUDA events around each call (reduce-overhead)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(calls)]
+    for s, e in ev:
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in ev)
+
+
+def time_wall(fn, calls: int = 3) -> float:
+    """Median wall-clock µs of ``fn()`` (the CPU smoke run's stand-in for a timing)."""
+    out = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(out)
+
+
+def kernel_groups(step, replays: int = 3) -> list[dict]:
+    """GPU µs per step of one CUDA-graph-captured ``step()``, summed by ``KERNEL_GROUPS``, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from common import capture_graph
+
+    graph = capture_graph(step)
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    totals: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = e.name.lower()
+        group = next((g for g, keys in KERNEL_GROUPS if any(k in name for k in keys)), "other")
+        t = totals.setdefault(group, [0.0, 0, {}])
+        t[0] += e.device_time
+        t[1] += 1
+        t[2][e.name[:70]] = t[2].get(e.name[:70], 0.0) + e.device_time
+    graph.reset()
+    rows = [dict(group=g, us=t / replays, launches=n / replays,
+                 top=sorted(((k, v / replays) for k, v in ks.items()), key=lambda kv: -kv[1])[:3])
+            for g, (t, n, ks) in totals.items()]
+    return sorted(rows, key=lambda r: -r["us"])
+
+
+def measure_point(model, args, rows: int, q: int, context: int, device) -> dict:
+    """Parity and timings of one point (see the module docstring)."""
+    cfg = model.config
+    pt = Point(cfg, rows, q, context, args.block_size, device, seed=rows + 7 * q)
+    opts = {"inductor": False, **_cublas_only()} if device.type == "cpu" else None
+    out: dict = dict(rows=rows, q=q, context=context)
+    t0 = time.perf_counter()
+
+    def say(what: str) -> None:
+        print(f"  [{time.perf_counter() - t0:6.1f} s] rows={rows} q={q} ctx={context}: {what}", flush=True)
+
+    with torch.no_grad():
+        start = pt.cache.clone()
+        with record_routing() as ref_ids:
+            ref = pt.run(model, start.clone())
+        floor = floor_bytes(model, rows, q, context, ref_ids)
+        fl = floors_us(floor["total"])
+        out.update(floor_bytes=floor, floor_433_us=fl["practical"], floor_48_us=fl["spec"])
+        say(f"eager done; floor {fl['practical']:.0f} µs")
+        for side in SIDES:
+            if device.type == "cpu" and side == "stock":
+                fn = model  # the smoke run: no Inductor (minutes on 2 cores)
+            else:
+                fn = compile_side(model, side, ro=False, options=opts)
+            pt.run(fn, start.clone())  # compiles (kimi_dep's translation validation calls the MoE op too)
+            with record_routing() as ids:
+                logits = pt.run(fn, start.clone())
+            out[f"{side}_rel_err"] = rel_err(logits, ref)
+            out[f"{side}_routing"] = routing_agreement(ids, ref_ids)
+            out[f"{side}_routing_by_layer"] = [routing_agreement([a], [b]) for a, b in zip(ids, ref_ids)]
+            say(f"{side} compiled; rel err {out[f'{side}_rel_err']:.2e}, routing {out[f'{side}_routing']:.4f}")
+            if side == "kimi_dep":
+                out["rewritten"] = [m.op for m in dep_compile.last_report().layers if m.rewritten]
+            if device.type == "cpu":
+                out[f"{side}_hand_us"] = time_wall(lambda: pt.run(fn))
+                continue
+            if "hand" in args.modes:
+                out[f"{side}_hand_us"] = time_graph(lambda i: pt.run(fn), args.steps)["median_us"]
+                if args.profile and (rows, q, context) == tuple(args.profile_point):
+                    out[f"{side}_kernels"] = kernel_groups(lambda: pt.run(fn))
+                say(f"{side} hand {out[f'{side}_hand_us']:.0f} µs")
+            if "ro" in args.modes:
+                from torch._dynamo.utils import counters
+
+                ro_fn = compile_side(model, side, ro=True, options=opts)
+                skips, graphs = counters["inductor"]["cudagraph_skips"], cudagraph_nodes()
+                us = time_calls(lambda: pt.run(ro_fn))
+                out[f"{side}_ro_us"] = us
+                out[f"{side}_ro_graphed"] = (counters["inductor"]["cudagraph_skips"] == skips
+                                             and cudagraph_nodes() > graphs)
+                say(f"{side} reduce-overhead {us:.0f} µs, graphed {out[f'{side}_ro_graphed']}")
+            torch.cuda.synchronize()
+    for way in ("hand", "ro"):
+        s, d = out.get(f"stock_{way}_us"), out.get(f"kimi_dep_{way}_us")
+        if s and d:
+            out[f"ratio_{way}"] = s / d
+            out[f"dep_{way}_over_floor"] = d / out["floor_433_us"]
+            out[f"stock_{way}_over_floor"] = s / out["floor_433_us"]
+    return out
+
+
+def _cublas_only() -> dict:
+    from dep_compile.config import CUBLAS_ONLY
+
+    return dict(CUBLAS_ONLY)
+
+
+def table(points: list[dict]) -> str:
+    """The results as a Markdown table."""
+    f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
+    headers = ["rows", "q", "ctx", "stock hand", "dep hand", "ratio", "stock ro", "dep ro", "ratio ro",
+               "floor@4.33", "floor@4.8", "dep/floor", "err stock", "err dep", "route stock", "route dep"]
+    body = [[p["rows"], p["q"], p["context"], f(p.get("stock_hand_us"), ".0f"), f(p.get("kimi_dep_hand_us"), ".0f"),
+             f(p.get("ratio_hand"), ".3f"), f(p.get("stock_ro_us"), ".0f"), f(p.get("kimi_dep_ro_us"), ".0f"),
+             f(p.get("ratio_ro"), ".3f"), f(p.get("floor_433_us"), ".0f"), f(p.get("floor_48_us"), ".0f"),
+             f(p.get("dep_hand_over_floor"), ".2f"), f(p.get("stock_rel_err"), ".1e"),
+             f(p.get("kimi_dep_rel_err"), ".1e"),
+             f(p.get("stock_routing"), ".4f"), f(p.get("kimi_dep_routing"), ".4f")]
+            for p in points if "error" not in p]
+    return format_table(headers, body)
+
+
+def plot(path: str, points: list[dict]) -> None:
+    """µs per step vs requests, one panel per (q, context)."""
+    panels = []
+    for q, ctx in sorted({(p["q"], p["context"]) for p in points if "error" not in p}):
+        pts = [p for p in points if (p["q"], p["context"]) == (q, ctx) and "error" not in p]
+        series = {f"{s} {w}": [p.get(f"{s}_{w}_us") for p in pts] for s in SIDES for w in ("hand", "ro")}
+        series["floor @4.33 TB/s"] = [p["floor_433_us"] for p in pts]
+        panels.append({"title": f"decode step, q={q}, context {ctx}", "x": [p["rows"] for p in pts], "series": series})
+    if panels:
+        plot_panels(path, panels, xlabel="requests", ylabel="µs per step")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="k31")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=64, help="routed experts (router and local)")
+    ap.add_argument("--local-experts", type=int, default=None,
+                    help="EP-rank shape: a router over 896 experts, this many local (e.g. 56 for EP16)")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--q", type=int, nargs="+", default=[1])
+    ap.add_argument("--context", type=int, nargs="+", default=[4096])
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--modes", nargs="+", default=["hand", "ro"], choices=["hand", "ro"])
+    ap.add_argument("--steps", type=int, default=2, help="steps per hand-captured graph replay")
+    ap.add_argument("--profile", action="store_true", help="per-kernel breakdown at --profile-point")
+    ap.add_argument("--profile-point", type=int, nargs=3, default=[64, 1, 4096], metavar=("ROWS", "Q", "CTX"))
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    experts = 896 if args.local_experts else args.experts
+    cfg = preset(args.preset, num_layers=args.layers, n_routed_experts=experts)
+    raise_recompile_limits(4 * len(args.rows) * len(args.q) * len(args.context))
+    t0 = time.perf_counter()
+    model = build_model(cfg, device, local_experts=args.local_experts)
+    local = f" ({args.local_experts} local)" if args.local_experts else ""
+    print(f"model: {cfg.name}, {args.layers} layers {[l.kind for l in model.model.layers]}, {experts} experts{local}; "
+          f"built in {time.perf_counter() - t0:.1f} s", flush=True)
+    points: list[dict] = []
+    meta = dict(preset=cfg.name, layers=args.layers, experts=experts, local_experts=args.local_experts,
+                command="python benchmarks/bench_decoder.py " + " ".join(sys.argv[1:] if argv is None else argv))
+    for q in args.q:
+        for ctx in args.context:
+            for rows in args.rows:
+                t0 = time.perf_counter()
+                try:
+                    p = measure_point(model, args, rows, q, ctx, device)
+                except Exception as e:  # noqa: BLE001 - a failed point is recorded, the grid goes on
+                    traceback.print_exc()
+                    p = dict(rows=rows, q=q, context=ctx, error=f"{type(e).__name__}: {e}")
+                p["seconds"] = time.perf_counter() - t0
+                points.append(p)
+                print({k: v for k, v in p.items() if not k.endswith("_kernels")}, flush=True)
+                write_json(os.path.join(args.out, "decoder.json"), {**meta, "points": points})
+                torch._dynamo.reset()
+    text = table(points)
+    print(text)
+    for p in points:
+        for side in SIDES:
+            for g in p.get(f"{side}_kernels", []):
+                print(f"{side} rows={p['rows']} q={p['q']} ctx={p['context']}: {g['group']:<42} {g['us']:8.1f} µs "
+                      f"{g['launches']:5.0f} launches  {g['top'][:2]}")
+    with open(os.path.join(args.out, "decoder.md"), "w") as f:
+        f.write(f"`{meta['command']}`\n\n{text}\n")
+    plot(os.path.join(args.out, "decoder.png"), points)
+    return points
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""The decode-step benchmark on CPU: its smoke run end to end, the floor bytes by hand, the routing hook."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import bench_decoder as bd  # noqa: E402
+
+from dep_compile.stock import preset  # noqa: E402
+
+
+def test_smoke_run_writes_every_output(tmp_path):
+    points = bd.main(["--device", "cpu", "--preset", "k31-small", "--layers", "4", "--rows", "2", "--q", "1", "2",
+                      "--context", "24", "--block-size", "4", "--out", str(tmp_path)])
+    assert [p.get("error") for p in points] == [None, None]
+    data = json.loads((tmp_path / "decoder.json").read_text())
+    assert data["layers"] == 4 and len(data["points"]) == 2 and "env" in data
+    for p in data["points"]:
+        # on CPU kimi_dep (pattern-only, cuBLAS tactics) runs stock's references: exact, same routing
+        assert p["kimi_dep_rel_err"] == 0.0 and p["kimi_dep_routing"] == 1.0, p
+        n = Counter(p["rewritten"])
+        assert (n["kimi_dep.kda_attention"], n["kimi_dep.dsa_attention"], n["kimi_dep.moe"]) == (3, 1, 3), n
+        assert p["floor_433_us"] > 0 and p["floor_48_us"] < p["floor_433_us"]
+    assert "| rows |" in (tmp_path / "decoder.md").read_text()
+
+
+def test_floor_bytes_by_hand():
+    cfg = preset("k31-small", num_layers=4)  # KDA+dense, KDA, KDA, DSA; 3 MoE layers of 64 experts
+    model = bd.build_model(cfg, "cpu")
+    ids = [torch.tensor([[0, 1], [1, 2]]), torch.tensor([[5, 5], [5, 5]]), torch.tensor([[63, 0], [7, 9]])]
+    got = bd.floor_bytes(model, rows=2, q=1, context=40, routing=ids)
+    per_expert = (2 * 64 * 128 + 128 * 64) * 2  # w13 [2I, Lat] + w2 [Lat, I], BF16
+    assert got["experts"] == (3 + 1 + 4) * per_expert
+    embed = 2 * cfg.hidden_size * 2  # two gathered rows, not the table
+    others = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                 if ".experts." not in n and "embed_tokens" not in n)
+    assert got["weights"] == others + embed
+    # 3 KDA layers x 2 requests x (recurrent 4*32*32*4 + conv 3*384*2) read + written
+    assert got["kda_states"] == 3 * 2 * 2 * (16384 + 2304)
+    # DSA: keys 2*40*(32+4); top-16 latents 2 tokens * 16 * 48 * 2; inserts 2 * (96 + 32 + 4)
+    assert got["dsa_mla"] == 2880 + 3072 + 264
+    assert got["total"] == sum(v for k, v in got.items() if k != "total")
+
+
+def test_routing_hook_and_agreement():
+    cfg = preset("k31-small", num_layers=2)
+    model = bd.build_model(cfg, "cpu")
+    pt = bd.Point(cfg, rows=3, q=1, context=12, block_size=4, device=torch.device("cpu"))
+    with torch.no_grad(), bd.record_routing() as ids:
+        model(pt.ids, pt.meta, pt.cache)
+    assert len(ids) == 1 and ids[0].shape == (3, 16)  # layer 0 is dense: one MoE call
+    assert bd.routing_agreement(ids, ids) == 1.0
+    flipped = ids[0].clone()
+    flipped[1, 0] = next(e for e in range(64) if e not in flipped[1].tolist())  # one pick of 48 differs
+    assert bd.routing_agreement([flipped], ids) == 47 / 48
+    # the pick order within a token does not matter
+    assert bd.routing_agreement([ids[0].flip(-1)], ids) == 1.0
