@@ -206,11 +206,53 @@ def env_info() -> dict[str, object]:
     return info
 
 
+def stock_kernels() -> dict[str, object]:
+    """Which code the stock ``kimi_k3`` ops run on CUDA in this process, and the versions behind it.
+
+    ``versions``: torch, Triton, fla-core (None where absent). ``ops``: per stock op, the function
+    its CUDA path calls (named from the function objects, so a rename shows here) and, for the
+    KDA core, the recurrence backend actually selected (fla-core, or the torch recurrence and why).
+    """
+    import importlib.metadata as md  # noqa: PLC0415
+
+    from dep_compile.stock import batched_attention, grouped_experts  # noqa: PLC0415
+
+    def version(dist: str) -> str | None:
+        try:
+            return md.version(dist)
+        except md.PackageNotFoundError:
+            return None
+
+    name = lambda fn: f"{fn.__module__}.{fn.__qualname__}"  # noqa: E731
+    try:
+        from dep_compile.stock import kda_cuda  # noqa: PLC0415 - imports Triton
+
+        kda = f"{name(kda_cuda.kda_core_cuda)}; recurrence: {kda_cuda.recurrence_backend()}"
+    except ImportError as e:
+        kda = f"not importable here ({e!r})"
+    return {
+        "versions": {"torch": torch.__version__, "triton": version("triton"), "fla-core": version("fla-core")},
+        "ops": {
+            "kimi_k3::kda_core": kda,
+            "kimi_k3::dsa_indexer": f"{name(batched_attention.dsa_indexer_batched)} (torch: FP8 keys of the whole "
+                                    "block table gathered once, BF16 bmm + FP32 head sum, torch.topk)",
+            "kimi_k3::sparse_mla_decode": f"{name(batched_attention.sparse_mla_decode_batched)} (torch: the selected "
+                                          "latent rows gathered, BF16 bmm with FP32 accumulation, softmax)",
+            "kimi_k3::mla_decode": f"{name(batched_attention.mla_decode_batched)} (torch: the whole block table "
+                                   "gathered, BF16 bmm with FP32 accumulation, masked softmax)",
+            "kimi_k3::routed_experts": f"{name(grouped_experts.routed_experts_grouped)} (two torch._grouped_mm)",
+        },
+    }
+
+
 def write_json(path: str, payload: Mapping[str, object], *, with_env: bool = True) -> str:
-    """Write ``payload`` (plus ``env``: :func:`env_info`) as indented JSON; returns the path."""
+    """Write ``payload`` (plus ``env``: :func:`env_info`, and ``stock_kernels``: :func:`stock_kernels`)
+    as indented JSON; returns the path."""
     data = dict(payload)
     if with_env and "env" not in data:
         data["env"] = env_info()
+    if with_env and "stock_kernels" not in data:
+        data["stock_kernels"] = stock_kernels()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(data, f, indent=1, default=str)

@@ -69,8 +69,9 @@ FULL = Sizes(heads=96, nope=128, rope=64, kv_lora=512, v=128, index_heads=32, in
              block_size=64)
 
 
-def make_case(sz: Sizes, seq_lens: list[int], q_len: int, seed: int) -> dict:
-    """Random CPU inputs of one step (last request = padding) and pooled caches with NaN in unwritten rows."""
+def make_case(sz: Sizes, seq_lens: list[int], q_len: int, seed: int, padding: int = 1) -> dict:
+    """Random CPU inputs of one step (the last ``padding`` requests are padding) and pooled caches with NaN
+    in unwritten rows."""
     g = torch.Generator().manual_seed(seed)
     rn = lambda *s, scale=1.0: torch.randn(*s, generator=g) * scale  # noqa: E731
     B, T, bs = len(seq_lens), len(seq_lens) * q_len, sz.block_size
@@ -81,7 +82,7 @@ def make_case(sz: Sizes, seq_lens: list[int], q_len: int, seed: int) -> dict:
     pos = token_positions(seq, q_len)
     req = torch.arange(B).repeat_interleave(q_len)
     slots = block_table[req, pos // bs].long() * bs + pos % bs
-    slots.view(B, q_len)[-1] = -1
+    slots.view(B, q_len)[-padding:] = -1
     c = dict(
         sz=sz, q_len=q_len, seq_lens=seq, block_table=block_table, slots=slots, pos=pos,
         scale=(sz.nope + sz.rope) ** -0.5,
@@ -96,7 +97,7 @@ def make_case(sz: Sizes, seq_lens: list[int], q_len: int, seed: int) -> dict:
         scl_pool=rn(NB, 2, bs).abs() + 0.01,
     )
     unwritten = torch.arange(MB * bs) >= seq.view(-1, 1).long()  # [B, C]
-    unwritten[-1] = True
+    unwritten[-padding:] = True
     p = unwritten.nonzero()
     blk, off = block_table[p[:, 0], p[:, 1] // bs].long(), p[:, 1] % bs
     for name in POOLS:
@@ -212,12 +213,31 @@ def chunking(request, monkeypatch):
         monkeypatch.setattr(batched_attention, "CHUNK_BYTES", 1)
 
 
-# seq_lens: shorter than top-k (3), one token exactly at top-k with q_len 3 (14), longer (20, 32), padding (9)
-@pytest.mark.parametrize("q_len", [1, 3])
+# seq_lens: shorter than top-k (3; q_len when larger), one token exactly at top-k with q_len 3 (14), longer (20, 32),
+# padding (9)
+@pytest.mark.parametrize("q_len", [1, 2, 3, 4])
 def test_batched_ops_match_references_cpu(q_len, chunking):
-    c = make_case(SMALL, [3, 14, 20, 32, 9], q_len, seed=100 + q_len)
+    c = make_case(SMALL, [max(3, q_len), 14, 20, 32, 9], q_len, seed=100 + q_len)
     errs = compare_to_references(c, "cpu", mla_decode_batched, dsa_indexer_batched, sparse_mla_decode_batched)
     assert errs["long"] > 0 and errs["untied"] == errs["long"], errs  # no near-ties here: identical selections
+
+
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_two_padding_requests_between_lengths_cpu(q_len):
+    """Two padding requests (one longer than any live one), a request of q_len tokens, one just past top-k."""
+    c = make_case(SMALL, [13, q_len, 30, 40, 25], q_len, seed=40 + q_len, padding=2)
+    errs = compare_to_references(c, "cpu", mla_decode_batched, dsa_indexer_batched, sparse_mla_decode_batched)
+    assert errs["long"] > 0
+
+
+def test_rows_not_whole_words_cpu():
+    """Latent rows of 38 bytes and index keys of 12 bytes: gathered element-wise, not as 8-byte words."""
+    sz = dataclasses.replace(SMALL, rope=3, index_dim=12)
+    c = make_case(sz, [3, 14, 20, 9], 2, seed=11)
+    kv, idx, _ = _views(c)
+    assert batched_attention._words(kv).dtype == BF16 and batched_attention._words(idx).dtype == torch.uint8
+    assert batched_attention._words(_views(make_case(SMALL, [5, 9], 1, seed=1))[0]).dtype == torch.int64
+    compare_to_references(c, "cpu", mla_decode_batched, dsa_indexer_batched, sparse_mla_decode_batched)
 
 
 def test_indexer_table_narrower_than_topk_cpu():
@@ -256,7 +276,7 @@ def test_insert_rows_triton_matches_reference(kind):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("q_len", [1, 2])
+@pytest.mark.parametrize("q_len", [1, 2, 4])
 def test_stock_ops_cuda_full_size_match_references(q_len):
     """Full K3.1 sizes, ~3000 context (top-2048 selects a subset), one request shorter than top-k."""
     c = make_case(FULL, [3001, 1203, 2950, 700], q_len, seed=200 + q_len)

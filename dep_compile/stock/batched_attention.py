@@ -1,19 +1,27 @@
-"""Vectorized MLA decode, DSA indexer and sparse MLA decode: the stock CUDA path (no host sync, graph-capturable).
+"""MLA decode, DSA indexer and sparse MLA decode in plain torch: the stock CUDA path (no host sync, graph-capturable).
 
 Same signatures and contracts as ``reference.mla.mla_decode_ref``, ``reference.dsa.dsa_indexer_ref``
-and ``reference.dsa.sparse_mla_decode_ref``, vectorized over tokens with static shapes:
+and ``reference.dsa.sparse_mla_decode_ref``, vectorized over tokens with static shapes, written as a
+competent engineer would without custom kernels (what the stock baseline must be, docs/design.md §7):
 
-* the context of every request is its whole block table (``C = MB * BS`` positions), read
-  through the table and masked to positions <= the token's own; positions past the request's
-  last token are read as that token's row (clamped), so unwritten cache rows never enter a
-  product, not even multiplied by 0;
-* products take BF16 (or FP8-valued BF16) operands with FP32 accumulation, as the references'
-  FP32 products of the same values; scores, softmax and index logits are FP32; the attention
+* sparse MLA gathers only each token's selected (top-k) latent rows through the block table;
+  dense MLA and the indexer read each request's whole block table (``C = MB * BS`` positions,
+  the static shape), masked to positions <= the token's own;
+* rows are gathered as 8-byte words (a 576-wide BF16 latent row is 144 words, a 128-byte FP8
+  key 16), so a gather moves whole rows rather than single elements; the FP8 keys are gathered
+  once per request and converted to BF16 once;
+* products take BF16 (or FP8-valued BF16) operands with FP32 accumulation (tensor cores; the
+  references' FP32 products of the same values), so the weights ``W_UK`` / ``W_UV`` are read as
+  stored, never copied to FP32; scores, softmax and index logits are FP32; the only full-context
+  FP32 tensors are the indexer's per-head dot products and its logits;
+* the index logits' head sum ``sum_h w[t, h] * ReLU(dots[t, h, s])`` is one FP32 matrix-vector
+  product per token over the ReLU'd dots (no weighted copy of them);
+* dense MLA reads positions past a request's last token as that token's row (clamped), so
+  unwritten cache rows never enter a product, not even multiplied by 0; the attention
   probabilities are rounded to BF16 for the value product (as FlashAttention-style kernels do),
   one rounding more than the references, within BF16 tolerance of them;
-* requests (or tokens) are processed in static Python chunks of about ``CHUNK_BYTES`` of FP32
-  scores plus gathered rows (the softmax and the BF16 probabilities add about as much again),
-  so a step of 64 requests x 4 tokens x 32K context needs about 1 GiB of temporaries.
+* requests (or tokens) are processed in static Python chunks of about ``CHUNK_BYTES`` of
+  temporaries, so a step of 64 requests x 4 tokens x 32K context stays near 1 GiB.
 
 Checked against the references in tests/test_stock_batched_attention.py.
 """
@@ -25,9 +33,9 @@ import torch.nn.functional as F
 
 from .paged_insert import insert_rows_paged
 from .reference.common import FP8, fp8_pow2_quantize
-from .reference.mla import absorb_query, project_out, split_kv_b, token_positions
+from .reference.mla import token_positions
 
-CHUNK_BYTES = 512 << 20  # temporaries per chunk (FP32 scores + gathered rows)
+CHUNK_BYTES = 512 << 20  # temporaries per chunk (FP32 scores / dots + gathered rows)
 
 
 def _chunks(n: int, item_bytes: int) -> list[tuple[int, int]]:
@@ -43,36 +51,60 @@ def _bmm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a.float(), b.float())  # CPU has no out_dtype kernel
 
 
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The chunks' results along dim 0 (no copy for a single chunk)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _words(cache: torch.Tensor) -> torch.Tensor:
+    """``cache [NB, BS, W]`` with each row reinterpreted as 8-byte words where its layout allows."""
+    row_bytes = cache.shape[-1] * cache.element_size()
+    aligned = cache.stride(-1) == 1 and row_bytes % 8 == 0 and cache.storage_offset() * cache.element_size() % 8 == 0
+    aligned = aligned and all(s * cache.element_size() % 8 == 0 for s in cache.stride()[:-1])
+    if aligned:
+        return cache.view(torch.int64)
+    return cache.view(torch.uint8) if cache.element_size() == 1 else cache
+
+
+def _gather_rows(cache: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rows of ``cache [NB, BS, W]`` at ``positions [n, C]`` through ``block_table [n, MB]``: [n, C, W]."""
+    bs = cache.shape[1]
+    blocks = torch.gather(block_table, 1, positions // bs).long()  # [n, C]
+    rows = _words(cache)[blocks, positions % bs]  # [n, C, words]
+    return rows.view(cache.dtype) if rows.dtype != cache.dtype else rows
+
+
 def _context_positions(width: int, seq_lens: torch.Tensor) -> torch.Tensor:
     """Block-table positions ``0 .. width-1`` of each request, clamped to its last token: [n, width] int64."""
     j = torch.arange(width, device=seq_lens.device)
     return torch.minimum(j, seq_lens.long().unsqueeze(1) - 1)
 
 
-def _gather_rows(cache: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Rows of ``cache [NB, BS, ...]`` at ``positions [n, C]`` through ``block_table [n, MB]``: [n, C, ...]."""
-    bs = cache.shape[1]
-    blocks = torch.gather(block_table.long(), 1, positions // bs)  # [n, C]
-    return cache[blocks, positions % bs]
+def _absorb(q: torch.Tensor, w: torch.Tensor, nope: int) -> torch.Tensor:
+    """Absorbed query [T, H, L+R] BF16: (q_nope @ W_UK) | q_rope, from q [T, H, nope+R] and w [H, nope+v, L]."""
+    q_lat = _bmm_fp32(q[..., :nope].transpose(0, 1), w[:, :nope])  # [H, T, L] FP32
+    return torch.cat([q_lat.to(q.dtype).transpose(0, 1), q[..., nope:]], -1)
 
 
-def _attend(query: torch.Tensor, ctx: torch.Tensor, valid: torch.Tensor, kv_lora: int, scale: float) -> torch.Tensor:
-    """Masked softmax attention of query [n, G, H, L+R] over latent rows ctx [n, C, L+R]: [n, G, H, L] FP32.
+def _project(o_lat: torch.Tensor, w: torch.Tensor, nope: int, live: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """W_UV: o_lat [T, H, L] FP32 (rounded to ``dtype``) -> [T, H*v] ``dtype``, tokens not ``live [T]`` exactly 0."""
+    T = o_lat.shape[0]
+    o = _bmm_fp32(o_lat.to(dtype).transpose(0, 1), w[:, nope:].transpose(1, 2))  # [H, T, v] FP32
+    out = o.to(dtype).transpose(0, 1).reshape(T, -1)
+    return out.masked_fill_(~live.view(T, 1), 0)  # NaN rows (nothing attended) become 0 too
 
-    ``valid [n, G, C]`` masks the rows of each group of H heads (a group = one token).
+
+def _attend(query: torch.Tensor, ctx: torch.Tensor, invalid: torch.Tensor, kv_lora: int, scale: float) -> torch.Tensor:
+    """Masked softmax attention of query [n, G*H, L+R] over latent rows ctx [n, C, L+R]: [n, G*H, L] FP32.
+
+    ``invalid [n, G, C]`` masks the rows of each group of H heads (a group = one token).
     """
-    n, G, H, W = query.shape
-    scores = _bmm_fp32(query.reshape(n, G * H, W), ctx.transpose(1, 2)).view(n, G, H, -1)  # [n, G, H, C]
-    scores.mul_(scale).masked_fill_(~valid.unsqueeze(2), float("-inf"))
-    probs = torch.softmax(scores, -1).to(ctx.dtype).view(n, G * H, -1)  # BF16 [n, G*H, C]
-    return _bmm_fp32(probs, ctx[..., :kv_lora]).view(n, G, H, kv_lora)
-
-
-def _insert_and_absorb(q, latent, kv_b_weight, kv_cache, slot_mapping, nope: int):
-    """Both MLA decodes' start: insert this step's latents, then (absorbed query [T, H, L+R] BF16, W_UV [H, v, L])."""
-    insert_rows_paged(kv_cache, slot_mapping, latent)
-    w_uk, w_uv = split_kv_b(kv_b_weight, q.shape[1], nope)
-    return absorb_query(q, w_uk, nope), w_uv
+    n, GH, _ = query.shape
+    G = invalid.shape[1]
+    scores = _bmm_fp32(query, ctx.transpose(1, 2)).view(n, G, GH // G, -1)  # [n, G, H, C]
+    scores.mul_(scale).masked_fill_(invalid.unsqueeze(2), float("-inf"))
+    probs = torch.softmax(scores, -1).to(ctx.dtype).view(n, GH, -1)  # BF16 [n, G*H, C]
+    return _bmm_fp32(probs, ctx[..., :kv_lora])
 
 
 def mla_decode_batched(
@@ -83,20 +115,21 @@ def mla_decode_batched(
     """Absorbed MLA decode over each request's whole block table, causally masked; [T, H*v] (see mla_decode_ref)."""
     T, H, _ = q.shape
     L = kv_b_weight.shape[-1]
-    query, w_uv = _insert_and_absorb(q, latent, kv_b_weight, kv_cache, slot_mapping, nope)  # [T, H, W]
+    w = kv_b_weight.view(H, -1, L)  # [H, nope+v, L]
+    insert_rows_paged(kv_cache, slot_mapping, latent)
+    query = _absorb(q, w, nope)  # [T, H, W]
     W = query.shape[-1]
     B, MB = block_table.shape
     C = MB * kv_cache.shape[1]
-    pos = token_positions(seq_lens, q_len)  # [T]
+    pos = token_positions(seq_lens, q_len).view(B, q_len, 1)
     j = torch.arange(C, device=q.device)
-    o_lat = torch.empty(T, H, L, dtype=torch.float32, device=q.device)
-    for b0, b1 in _chunks(B, q_len * H * C * 4 + C * W * kv_cache.element_size()):
-        t0, t1 = b0 * q_len, b1 * q_len
+    parts = []
+    for b0, b1 in _chunks(B, q_len * H * C * 10 + C * W * kv_cache.element_size()):
         ctx = _gather_rows(kv_cache, block_table[b0:b1], _context_positions(C, seq_lens[b0:b1]))  # [nb, C, W]
-        valid = j <= pos[t0:t1].view(-1, q_len, 1)  # [nb, q_len, C]
-        o_lat[t0:t1] = _attend(query[t0:t1].view(-1, q_len, H, W), ctx, valid, L, scale).flatten(0, 1)
-    live = (slot_mapping >= 0).view(T, 1, 1)
-    return project_out(torch.where(live, o_lat, 0.0), w_uv, q.dtype)
+        invalid = j > pos[b0:b1]  # [nb, q_len, C]
+        parts.append(_attend(query[b0 * q_len:b1 * q_len].reshape(b1 - b0, q_len * H, W), ctx, invalid, L, scale))
+    o_lat = _cat(parts).view(T, H, L)
+    return _project(o_lat, w, nope, slot_mapping >= 0, q.dtype)
 
 
 def sparse_mla_decode_batched(
@@ -108,16 +141,19 @@ def sparse_mla_decode_batched(
     T, H, _ = q.shape
     L = kv_b_weight.shape[-1]
     K = topk_indices.shape[1]
-    query, w_uv = _insert_and_absorb(q, latent, kv_b_weight, kv_cache, slot_mapping, nope)  # [T, H, W]
+    w = kv_b_weight.view(H, -1, L)  # [H, nope+v, L]
+    insert_rows_paged(kv_cache, slot_mapping, latent)
+    query = _absorb(q, w, nope)  # [T, H, W]
     W = query.shape[-1]
-    tables = block_table[torch.arange(T, device=q.device) // q_len]  # [T, MB]
-    o_lat = torch.empty(T, H, L, dtype=torch.float32, device=q.device)
-    for t0, t1 in _chunks(T, H * K * 4 + K * W * kv_cache.element_size()):
+    tables = block_table.repeat_interleave(q_len, 0)  # [T, MB]
+    parts = []
+    for t0, t1 in _chunks(T, H * K * 10 + K * W * kv_cache.element_size()):
         sel = topk_indices[t0:t1].long()  # [n, K]
         ctx = _gather_rows(kv_cache, tables[t0:t1], sel.clamp_min(0))  # [n, K, W]; -1 reads position 0, masked
-        o_lat[t0:t1] = _attend(query[t0:t1].unsqueeze(1), ctx, (sel >= 0).unsqueeze(1), L, scale).squeeze(1)
-    live = ((slot_mapping >= 0) & (topk_indices >= 0).any(-1)).view(T, 1, 1)
-    return project_out(torch.where(live, o_lat, 0.0), w_uv, q.dtype)
+        parts.append(_attend(query[t0:t1], ctx, (sel < 0).unsqueeze(1), L, scale))
+    o_lat = _cat(parts)  # [T, H, L]
+    live = (slot_mapping >= 0) & (topk_indices >= 0).any(-1)
+    return _project(o_lat, w, nope, live, q.dtype)
 
 
 def _index_logits(
@@ -129,17 +165,16 @@ def _index_logits(
     B, MB = block_table.shape
     C = MB * index_cache.shape[1]
     q = q_fp8.to(torch.bfloat16)  # e4m3 values are exact in BF16
-    logits = torch.empty(T, C, dtype=torch.float32, device=q.device)
+    logits = torch.empty(B, q_len, C, dtype=torch.float32, device=q.device)
     for b0, b1 in _chunks(B, q_len * Hi * C * 4 + C * Di * 3):
-        t0, t1 = b0 * q_len, b1 * q_len
+        t0, t1, nb = b0 * q_len, b1 * q_len, b1 - b0
         ctx_pos = _context_positions(C, seq_lens[b0:b1])  # [nb, C]
-        keys = _gather_rows(index_cache.view(torch.uint8), block_table[b0:b1], ctx_pos)  # gathered as bytes
-        keys = keys.view(FP8).to(torch.bfloat16)  # [nb, C, Di]
-        k_scale = _gather_rows(index_scale, block_table[b0:b1], ctx_pos)  # [nb, C]
-        dots = _bmm_fp32(q[t0:t1].reshape(-1, q_len * Hi, Di), keys.transpose(1, 2)).view(-1, q_len, Hi, C)
-        head_sum = dots.relu_().mul_(w_fold[t0:t1].view(-1, q_len, Hi, 1)).sum(2)  # [nb, q_len, C]
-        logits[t0:t1] = head_sum.mul_(k_scale.unsqueeze(1)).flatten(0, 1)
-    return logits
+        keys = _gather_rows(index_cache, block_table[b0:b1], ctx_pos).to(torch.bfloat16)  # [nb, C, Di]
+        k_scale = _gather_rows(index_scale.unsqueeze(-1), block_table[b0:b1], ctx_pos).view(nb, 1, C)
+        dots = _bmm_fp32(q[t0:t1].reshape(nb, q_len * Hi, Di), keys.transpose(1, 2)).relu_()  # [nb, q_len*Hi, C]
+        head_sum = torch.bmm(w_fold[t0:t1].view(nb * q_len, 1, Hi), dots.view(nb * q_len, Hi, C))  # FP32
+        torch.mul(head_sum.view(nb, q_len, C), k_scale, out=logits[b0:b1])
+    return logits.view(T, C)
 
 
 def select_topk_positions(logits: torch.Tensor, topk: int) -> torch.Tensor:
