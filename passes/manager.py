@@ -1,4 +1,4 @@
-"""DepPassManager: runs the DSA, KDA, MoE (and MLA report) passes over one Dynamo graph."""
+"""DepPassManager: runs the DSA, KDA, MoE (and MLA report) passes, then the AttnRes glue pass, over one graph."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from dep_compile.config import DepOptions
 from dep_compile.debug import dump
 from dep_compile.debug.report import LayerMatch, MatchReport, record
 
+from .attn_res import AttnResPass
 from .base import LayerPass, PassContext
 from .dsa import DsaPass
 from .kda import KdaPass
@@ -29,6 +30,9 @@ log = logging.getLogger("dep_compile")
 
 # Specific first: each family's anchor op is distinct, so order only fixes the report's grouping.
 PASSES: tuple[type[LayerPass], ...] = (DsaPass, KdaPass, MoePass, MlaPass)
+# Glue between the layers, fused on every graph (not a layer kind: option ``kinds`` does not apply);
+# its rows go to ``MatchReport.points``.
+GLUE: tuple[type[LayerPass], ...] = (AttnResPass,)
 
 
 @dataclasses.dataclass
@@ -52,6 +56,7 @@ class DepPassManager:
     def __init__(self, options: DepOptions):
         self.options = options
         self.passes = [p() for p in PASSES]
+        self.glue = [p() for p in GLUE]
 
     def run(self, gm: fx.GraphModule, example_inputs: Sequence[Any] | None, postgrad: bool = False) -> RewriteResult:
         """Rewrite ``gm`` in place. ``postgrad``: it is Inductor's post-grad graph (no real inputs)."""
@@ -72,12 +77,14 @@ class DepPassManager:
                                            check="policy"))
                     continue
                 rows.append(p.apply(ctx, found))
+        points = [p.apply(ctx, found) for p in self.glue for found in p.find(gm.graph)]
         gm.graph.lint()
         gm.recompile()
         rows.sort(key=lambda m: (m.layer if m.layer is not None else 1 << 30, m.kind == "moe"))
-        for m in rows:  # as Inductor counts its pattern matches
+        for m in rows + points:  # as Inductor counts its pattern matches
             counters["kimi_dep"][f"{m.kind}_{'rewritten' if m.rewritten else 'stock'}"] += 1
-        report = MatchReport(graph_name, rows, time.perf_counter() - t0, self.options.fingerprint(), ctx.validate_seconds)
+        report = MatchReport(graph_name, rows, time.perf_counter() - t0, self.options.fingerprint(),
+                             ctx.validate_seconds, points)
         record(report)
         dump.emit_trace_artifact(report)
         if self.options.dump_dir:
@@ -86,7 +93,9 @@ class DepPassManager:
         if not rows:
             log.warning("kimi_dep: no DSA, KDA, MoE or MLA subgraph found in %s; the graph is compiled unchanged",
                         report.graph)
-        for m in report.stock():
+        if rows and not points:
+            log.info("kimi_dep: no AttnRes -> RMSNorm pair found in %s", report.graph)
+        for m in report.stock() + report.stock_points():
             if m.kind != "mla":
                 log.warning("kimi_dep: %s %s left stock: %s", m.kind, m.module, m.reason)
         return RewriteResult(report, ctx.finalizers)

@@ -67,7 +67,7 @@ def test_every_family_rewritten_post_grad_and_matches_stock():
     _assert_close(err, errs)
     assert errs and all(v == 0.0 for k, v in errs.items() if "layer.0." in k), errs  # first layer: same inputs, exact
     # the stock calls are gone from the graph (none left behind to run on cloned caches)
-    assert report.ops_after == {"kimi_k3.attn_res": 8, "kimi_dep.kda_attention": 3, "kimi_dep.dsa_attention": 1,
+    assert report.ops_after == {"kimi_dep.attn_res_norm": 8, "kimi_dep.kda_attention": 3, "kimi_dep.dsa_attention": 1,
                                 "kimi_dep.moe": 3}, report.ops_after
 
 
@@ -78,7 +78,7 @@ def test_pooled_cache_views_verify_steps_mla_stock():
     kinds = kinds_rewritten(report)
     assert kinds["kda"] == [True] * 6 and kinds["dsa"] == [True] and kinds["moe"] == [True] * 7, report.table()
     assert kinds["mla"] == [False] and report.stock("mla")[0].reason.startswith("policy:")
-    assert report.ops_after == {"kimi_k3.attn_res": 16, "kimi_k3.mla_decode": 1, "kimi_dep.kda_attention": 6,
+    assert report.ops_after == {"kimi_dep.attn_res_norm": 16, "kimi_k3.mla_decode": 1, "kimi_dep.kda_attention": 6,
                                 "kimi_dep.dsa_attention": 1, "kimi_dep.moe": 7}, report.ops_after
     _assert_close(err, errs)
 

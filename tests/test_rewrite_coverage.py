@@ -81,7 +81,7 @@ def test_new_nodes_carry_module_stack():
     with torch.no_grad():
         torch.compile(model, backend=capture, fullgraph=True)(torch.randint(0, 512, (2,)), meta, cache)
     new = [n for n in graphs[0].graph.nodes if "kimi_dep" in str(n.target)]
-    assert len(new) == 3 + 3 + 1  # 3 KDA + 1 DSA + 3 MoE
+    assert len(new) == 3 + 3 + 1 + 8  # 3 KDA + 1 DSA + 3 MoE + 8 AttnRes -> RMSNorm points
     for n in new:
         assert n.meta.get("nn_module_stack"), n.name
         assert n.meta.get("stack_trace"), n.name

@@ -5,6 +5,10 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import torch
+
+CPU_TACTICS = "torch matmuls on CPU (the GPU tactic tables do not apply)"
+
 
 @dataclasses.dataclass
 class LayerMatch:
@@ -12,7 +16,7 @@ class LayerMatch:
 
     layer: int | None
     module: str
-    kind: str  # "dsa" | "kda" | "moe" | "mla"
+    kind: str  # "dsa" | "kda" | "moe" | "mla" | "attn_res" (an AttnRes -> RMSNorm point)
     rewritten: bool
     reason: str  # why it stayed stock ("" when rewritten)
     op: str  # the op now in the graph
@@ -28,13 +32,18 @@ class LayerMatch:
 
 @dataclasses.dataclass
 class MatchReport:
-    """Every subgraph found in one compiled graph, in layer order, plus the pass time."""
+    """Every subgraph found in one compiled graph, in layer order, plus the pass time.
+
+    ``layers`` holds the attention layers and MoEs; ``points`` the AttnRes -> RMSNorm points (glue,
+    two a layer), which the table shows as one count line plus a row per point left stock.
+    """
 
     graph: str
     layers: list[LayerMatch]
     pass_seconds: float = 0.0
     options: str = ""
     validate_seconds: float = 0.0  # the part of pass_seconds spent in translation validation
+    points: list[LayerMatch] = dataclasses.field(default_factory=list)  # AttnRes -> RMSNorm points
 
     def rewritten(self, kind: str | None = None) -> list[LayerMatch]:
         return [m for m in self.layers if m.rewritten and (kind is None or m.kind == kind)]
@@ -42,9 +51,12 @@ class MatchReport:
     def stock(self, kind: str | None = None) -> list[LayerMatch]:
         return [m for m in self.layers if not m.rewritten and (kind is None or m.kind == kind)]
 
+    def stock_points(self) -> list[LayerMatch]:
+        return [m for m in self.points if not m.rewritten]
+
     def near_misses(self) -> list[LayerMatch]:
-        """Subgraphs that looked like DSA/KDA/MoE but failed a check (not policy skips)."""
-        return [m for m in self.stock() if m.kind != "mla" and not m.reason.startswith("policy:")]
+        """Subgraphs that looked like DSA/KDA/MoE (or an AttnRes pair) but failed a check (not policy skips)."""
+        return [m for m in self.stock() + self.stock_points() if m.kind != "mla" and not m.reason.startswith("policy:")]
 
     @property
     def num_rewritten(self) -> int:
@@ -56,7 +68,9 @@ class MatchReport:
         if not self.layers:
             return f"{self.graph}: no DSA, KDA, MoE or MLA subgraph found; nothing rewritten"
         return (f"{self.graph}: rewrote {self.num_rewritten} of {len(self.layers)} ({', '.join(parts)}) in "
-                f"{self.pass_seconds * 1e3:.1f} ms (validation {self.validate_seconds * 1e3:.1f} ms)")
+                f"{self.pass_seconds * 1e3:.1f} ms (validation {self.validate_seconds * 1e3:.1f} ms)"
+                + (f"; fused {len(self.points) - len(self.stock_points())} of {len(self.points)} AttnRes -> RMSNorm "
+                   "points" if self.points else ""))
 
     def table(self) -> str:
         """A fixed-width text table, one row per subgraph."""
@@ -64,7 +78,7 @@ class MatchReport:
         rows = []
         for m in self.layers:
             if m.rewritten:
-                detail = "; ".join(f"{p}: {_bins(tab)}" for p, tab in m.tactics.items())
+                detail = _tactics(m.tactics)
             else:
                 detail = ("structure check failed: " if m.check == "structure" else "") + m.reason \
                     + (f" [node {m.node}]" if m.node else "")
@@ -72,10 +86,39 @@ class MatchReport:
         widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
         widths[-1] = len(head[-1])
         fmt = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
-        return "\n".join([self.summary(), fmt(head), *(fmt(r) for r in rows)])
+        return "\n".join([self.summary(), fmt(head), *(fmt(r) for r in rows), *self._point_lines()])
+
+    def _point_lines(self) -> list[str]:
+        """AttnRes points: one line counting the fused ones per layer, then a line per point left stock."""
+        if not self.points:
+            return []
+        per_layer: dict = {}
+        for m in self.points:
+            if m.rewritten:
+                per_layer[m.layer] = per_layer.get(m.layer, 0) + 1
+        runs: list[list] = []  # [first layer, last layer, points fused in each]
+        for k, n in per_layer.items():
+            if runs and isinstance(k, int) and runs[-1][1] == k - 1 and runs[-1][2] == n:
+                runs[-1][1] = k
+            else:
+                runs.append([k, k, n])
+        counts = ", ".join(f"layer {lo}: {n}" if lo == hi else f"layers {lo}-{hi}: {n} each" for lo, hi, n in runs)
+        lines = [f"AttnRes -> RMSNorm: {sum(per_layer.values())} of {len(self.points)} points fused into "
+                 f"kimi_dep.attn_res_norm ({counts or 'none'})"]
+        for m in self.stock_points():
+            lines.append(f"  stock {m.module}: {m.reason}" + (f" [node {m.node}]" if m.node else ""))
+        return lines
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, default=str)
+
+
+def _tactics(tactics: dict[str, dict[int, str]]) -> str:
+    """Each projection's tactics by batch, or on a machine without CUDA what runs there instead
+    (the split-K tactics are Triton kernels; on CPU a projection is a torch matmul)."""
+    if not torch.cuda.is_available():
+        return CPU_TACTICS
+    return "; ".join(f"{p}: {_bins(tab)}" for p, tab in tactics.items())
 
 
 def _bins(tab: dict[int, str]) -> str:

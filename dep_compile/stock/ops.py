@@ -4,10 +4,12 @@ Each op declares exactly what it mutates, has a fake kernel, and runs the readab
 in ``dep_compile.stock.reference`` on CPU. On CUDA the MLA / DSA ops run vectorized,
 graph-capturable versions (``batched_attention``), the KDA core ``kda_cuda.kda_core_cuda``
 (Triton conv, fla-core's fused recurrent KDA where it imports, Triton gated norm) and the
-routed experts grouped GEMMs; the other ops run the reference on CUDA too.
+routed experts grouped GEMMs, and AttnRes one Triton launch (``attn_res_cuda``).
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 from torch import Tensor
@@ -121,10 +123,30 @@ def _(x, w13, w2, topk_weights, topk_ids, expert_start, ep_size, beta, beta_lin)
 def attn_res(
     prefix: Tensor, bank: Tensor, delta: Tensor, query: Tensor, eps: float, num_blocks: int, write_slot: int
 ) -> Tensor:
-    """AttnRes ahead of a sublayer: prefix += delta, optional bank write, softmax mix; [T, D]."""
+    """AttnRes ahead of a sublayer: prefix += delta, optional bank write, softmax mix; [T, D].
+
+    CUDA: one Triton launch (``attn_res_cuda``); a call it cannot take (odd shapes or strides,
+    decided from metadata) runs the reference, logged once per reason.
+    """
+    if prefix.is_cuda:  # attn_res_cuda imports Triton: imported only for CUDA tensors
+        from .attn_res_cuda import attn_res_cuda, unsupported  # noqa: PLC0415
+
+        why = unsupported(prefix, bank, delta, query, num_blocks, write_slot)
+        if why is None:
+            return attn_res_cuda(prefix, bank, delta, query, eps, num_blocks, write_slot)
+        _log_once(f"kimi_k3::attn_res: Triton kernel not used ({why}); running the PyTorch reference")
     return attn_res_ref(prefix, bank, delta, query, eps, num_blocks, write_slot)
 
 
 @attn_res.register_fake
 def _(prefix, bank, delta, query, eps, num_blocks, write_slot):
     return torch.empty_like(prefix)
+
+
+_LOGGED: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        logging.getLogger("dep_compile").warning("%s", message)

@@ -1,0 +1,130 @@
+"""Stock AttnRes on CUDA: one Triton launch per point, a program per row with the whole row in registers.
+
+Same numerics as ``reference.attn_res.attn_res_ref``: ``prefix += delta`` in FP32, rounded once to
+the prefix dtype and stored in place; the optional bank write; per source (the bank's first
+``num_blocks`` snapshots, then the prefix) an FP32 logit ``RMSNorm(source) . query``; a softmax over
+the sources; the FP32 weighted sum of the un-normalized sources, rounded once. Only the FP32
+summation order differs: the logit is ``rsqrt(mean(x^2) + eps) * sum(x * query)``, and the softmax is
+taken online (a running max and sum), so every source is read once (bank rows UNROLL per load).
+
+``attn_res_norm_cuda`` (the kimi_dep fused op) adds the RMSNorm that follows an AttnRes point in the
+same launch: the mix is rounded to BF16 as stock's would be, then normalized in FP32, times the
+norm weight, rounded once; the mix itself is not written.
+
+Imports Triton at import time: import it only where CUDA (or Triton's CPU interpreter) runs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+MAX_D = 16384  # the whole row stays in registers: [MAX_D] FP32 per live tensor (K3: 7168)
+# Bank rows per load, and loads in flight: at K3 size (16 warps, [2, 8192] FP32 = 32 registers a thread)
+# ptxas (CUDA 13, sm_90a) gives 124 registers, no spills, 64 KiB of shared memory for the prefetch;
+# UNROLL = 4 spills at the 128-register limit of 16 warps. benchmarks/bench_attn_res.py times variants.
+UNROLL, STAGES = 2, 3
+
+
+@triton.jit
+def _attn_res_kernel(prefix_ptr, bank_ptr, delta_ptr, query_ptr, norm_w_ptr, out_ptr,
+                     stride_p, stride_bs, stride_bt, stride_dl, stride_o, num_blocks, write_slot, eps, norm_eps,
+                     D: tl.constexpr, BLOCK_D: tl.constexpr, UNROLL: tl.constexpr, STAGES: tl.constexpr,
+                     NORM: tl.constexpr):
+    """Row ``t``: prefix[t] += delta[t]; bank[write_slot, t] = prefix[t]; out[t] = the softmax mix
+    (or, with NORM, its RMSNorm times norm_w). prefix/out [T, D], bank [NB, T, D], unit inner strides.
+    Bank rows are read UNROLL at a time (one [UNROLL, BLOCK_D] load), prefetched STAGES - 1 loads ahead
+    (cp.async into shared memory), so UNROLL * STAGES rows are in flight."""
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    ok = d < D
+    q = tl.load(query_ptr + d, mask=ok, other=0.0).to(tl.float32)
+    old = tl.load(prefix_ptr + t * stride_p + d, mask=ok, other=0.0).to(tl.float32)
+    delta = tl.load(delta_ptr + t * stride_dl + d, mask=ok, other=0.0).to(tl.float32)
+    p = (old + delta).to(prefix_ptr.dtype.element_ty)  # [BLOCK_D], rounded once as the reference
+    tl.store(prefix_ptr + t * stride_p + d, p, mask=ok)
+    if write_slot >= 0:
+        tl.store(bank_ptr + write_slot * stride_bs + t * stride_bt + d, p, mask=ok)
+    pf = p.to(tl.float32)
+    # the prefix (the last source) opens the online softmax: running max m, sum l, mix acc
+    m = tl.sum(pf * q, axis=0) * tl.rsqrt(tl.sum(pf * pf, axis=0) / D + eps)
+    l = m * 0.0 + 1.0
+    acc = pf
+    j = tl.arange(0, UNROLL)
+    for s0 in tl.range(0, num_blocks, UNROLL, num_stages=STAGES):
+        src = s0 + j  # [UNROLL] bank slots
+        live = src < num_blocks
+        fresh = src == write_slot  # just overwritten by this row's prefix: taken from registers
+        x = tl.load(bank_ptr + src[:, None] * stride_bs + t * stride_bt + d[None, :],
+                    mask=(live & ~fresh)[:, None] & ok[None, :], other=0.0).to(tl.float32)
+        x = tl.where(fresh[:, None], pf[None, :], x)  # [UNROLL, BLOCK_D]
+        ms = tl.sum(x * x, axis=1) / D
+        logit = tl.where(live, tl.sum(x * q[None, :], axis=1) * tl.rsqrt(ms + eps), float("-inf"))
+        m_new = tl.maximum(m, tl.max(logit, axis=0))
+        keep, w = tl.exp(m - m_new), tl.exp(logit - m_new)  # w: [UNROLL], 0 past num_blocks
+        acc = acc * keep + tl.sum(w[:, None] * x, axis=0)
+        l = l * keep + tl.sum(w, axis=0)
+        m = m_new
+    h = (acc / l).to(out_ptr.dtype.element_ty)
+    if NORM:
+        hf = h.to(tl.float32)
+        nw = tl.load(norm_w_ptr + d, mask=ok, other=0.0).to(tl.float32)
+        y = hf * tl.rsqrt(tl.sum(hf * hf, axis=0) / D + norm_eps) * nw
+        tl.store(out_ptr + t * stride_o + d, y.to(out_ptr.dtype.element_ty), mask=ok)
+    else:
+        tl.store(out_ptr + t * stride_o + d, h, mask=ok)
+
+
+def unsupported(prefix: Tensor, bank: Tensor, delta: Tensor, query: Tensor, num_blocks: int, write_slot: int,
+                norm_weight: Tensor | None = None) -> str | None:
+    """Why the kernel cannot run this call (None: it can); decided from metadata only (no sync)."""
+    if prefix.dim() != 2 or delta.shape != prefix.shape or bank.dim() != 3 or bank.shape[1:] != prefix.shape:
+        return f"shapes prefix {tuple(prefix.shape)}, bank {tuple(bank.shape)}, delta {tuple(delta.shape)}"
+    D = prefix.shape[1]
+    if query.shape != (D,) or (norm_weight is not None and norm_weight.shape != (D,)):
+        return f"query {tuple(query.shape)} / norm weight is not [{D}]"
+    if D > MAX_D:
+        return f"hidden {D} > {MAX_D}"
+    if not prefix.dtype.is_floating_point or bank.dtype != prefix.dtype:
+        return f"prefix {prefix.dtype} / bank {bank.dtype}"
+    if bank.numel() >= 2 ** 31:
+        return "bank of 2^31 elements or more (32-bit offsets)"
+    if not 0 <= num_blocks <= bank.shape[0] or not -1 <= write_slot < bank.shape[0]:
+        return f"num_blocks {num_blocks} / write_slot {write_slot} outside a bank of {bank.shape[0]}"
+    rest = (query, norm_weight) if norm_weight is not None else (query,)
+    if any(x.stride(-1) != 1 for x in (prefix, bank, delta, *rest) if x.numel() > 1):
+        return "a tensor without unit inner stride"
+    return None
+
+
+def _launch(prefix, bank, delta, query, norm_weight, out, eps, num_blocks, write_slot, norm_eps, unroll, stages):
+    T, D = prefix.shape
+    if T == 0:
+        return out
+    BLOCK_D = triton.next_power_of_2(D)
+    _attn_res_kernel[(T,)](
+        prefix, bank, delta, query, norm_weight if norm_weight is not None else query, out,
+        prefix.stride(0), bank.stride(0), bank.stride(1), delta.stride(0), out.stride(0),
+        int(num_blocks), int(write_slot), float(eps), float(norm_eps),
+        D=D, BLOCK_D=BLOCK_D, UNROLL=unroll, STAGES=stages, NORM=norm_weight is not None,
+        num_warps=max(1, min(16, BLOCK_D // 512)))
+    return out
+
+
+def attn_res_cuda(prefix: Tensor, bank: Tensor, delta: Tensor, query: Tensor, eps: float, num_blocks: int,
+                  write_slot: int, unroll: int = UNROLL, stages: int = STAGES) -> Tensor:
+    """``attn_res_ref`` in one launch: mutates ``prefix [T, D]`` and ``bank [NB, T, D]``; returns [T, D].
+    ``unroll`` (bank rows per load, a power of two) and ``stages``: tuning, compared by the benchmark."""
+    out = torch.empty_like(prefix)
+    return _launch(prefix, bank, delta, query, None, out, eps, num_blocks, write_slot, 0.0, unroll, stages)
+
+
+def attn_res_norm_cuda(prefix: Tensor, bank: Tensor, delta: Tensor, query: Tensor, norm_weight: Tensor,
+                       eps: float, num_blocks: int, write_slot: int, norm_eps: float, unroll: int = UNROLL,
+                       stages: int = STAGES) -> Tensor:
+    """AttnRes then RMSNorm(norm_weight, norm_eps) of its BF16-rounded mix, in one launch: [T, D]."""
+    out = torch.empty_like(prefix)
+    return _launch(prefix, bank, delta, query, norm_weight, out, eps, num_blocks, write_slot, norm_eps, unroll,
+                   stages)
