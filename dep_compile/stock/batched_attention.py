@@ -7,15 +7,14 @@ competent engineer would without custom kernels (what the stock baseline must be
 * sparse MLA gathers only each token's selected (top-k) latent rows through the block table;
   dense MLA and the indexer read each request's whole block table (``C = MB * BS`` positions,
   the static shape), masked to positions <= the token's own;
-* rows are gathered as 8-byte words (a 576-wide BF16 latent row is 144 words, a 128-byte FP8
-  key 16), so a gather moves whole rows rather than single elements; the FP8 keys are gathered
-  once per request and converted to BF16 once;
+* the FP8 keys are gathered once per request and converted to BF16 once (in one fused kernel on
+  CUDA);
 * products take BF16 (or FP8-valued BF16) operands with FP32 accumulation (tensor cores; the
   references' FP32 products of the same values), so the weights ``W_UK`` / ``W_UV`` are read as
   stored, never copied to FP32; scores, softmax and index logits are FP32; the only full-context
   FP32 tensors are the indexer's per-head dot products and its logits;
-* the index logits' head sum ``sum_h w[t, h] * ReLU(dots[t, h, s])`` is one FP32 matrix-vector
-  product per token over the ReLU'd dots (no weighted copy of them);
+* the value product runs over the whole gathered latent rows and keeps the first ``kv_lora``
+  columns of its result (no copy of a column slice);
 * dense MLA reads positions past a request's last token as that token's row (clamped), so
   unwritten cache rows never enter a product, not even multiplied by 0; the attention
   probabilities are rounded to BF16 for the value product (as FlashAttention-style kernels do),
@@ -23,10 +22,18 @@ competent engineer would without custom kernels (what the stock baseline must be
 * requests (or tokens) are processed in static Python chunks of about ``CHUNK_BYTES`` of
   temporaries, so a step of 64 requests x 4 tokens x 32K context stays near 1 GiB.
 
+On CUDA the op bodies after the cache inserts run compiled by Inductor (one graph per shape,
+:func:`_inductor_on_cuda`): the stock ops are opaque to the Inductor that compiles the layer around
+them, so without this their ~90 small launches per DSA layer stay unfused, where a plainly written
+layer compiled by Inductor fuses them (docs/perf_dsa_stock.md). The inserts stay eager (a compiled
+in-place write into a cache argument would be functionalized).
+
 Checked against the references in tests/test_stock_batched_attention.py.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -56,22 +63,22 @@ def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _words(cache: torch.Tensor) -> torch.Tensor:
-    """``cache [NB, BS, W]`` with each row reinterpreted as 8-byte words where its layout allows."""
-    row_bytes = cache.shape[-1] * cache.element_size()
-    aligned = cache.stride(-1) == 1 and row_bytes % 8 == 0 and cache.storage_offset() * cache.element_size() % 8 == 0
-    aligned = aligned and all(s * cache.element_size() % 8 == 0 for s in cache.stride()[:-1])
-    if aligned:
-        return cache.view(torch.int64)
-    return cache.view(torch.uint8) if cache.element_size() == 1 else cache
-
-
 def _gather_rows(cache: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Rows of ``cache [NB, BS, W]`` at ``positions [n, C]`` through ``block_table [n, MB]``: [n, C, W]."""
     bs = cache.shape[1]
     blocks = torch.gather(block_table, 1, positions // bs).long()  # [n, C]
-    rows = _words(cache)[blocks, positions % bs]  # [n, C, words]
-    return rows.view(cache.dtype) if rows.dtype != cache.dtype else rows
+    return cache[blocks, positions % bs]
+
+
+def _inductor_on_cuda(fn):
+    """``fn`` compiled by Inductor (``dynamic=False``: one graph per shape) for CUDA tensors, as written elsewhere."""
+    compiled = torch.compile(fn, dynamic=False, fullgraph=True)
+
+    @functools.wraps(fn)
+    def call(*args):
+        return (compiled if args[0].is_cuda else fn)(*args)
+
+    return call
 
 
 def _context_positions(width: int, seq_lens: torch.Tensor) -> torch.Tensor:
@@ -97,26 +104,24 @@ def _project(o_lat: torch.Tensor, w: torch.Tensor, nope: int, live: torch.Tensor
 def _attend(query: torch.Tensor, ctx: torch.Tensor, invalid: torch.Tensor, kv_lora: int, scale: float) -> torch.Tensor:
     """Masked softmax attention of query [n, G*H, L+R] over latent rows ctx [n, C, L+R]: [n, G*H, L] FP32.
 
-    ``invalid [n, G, C]`` masks the rows of each group of H heads (a group = one token).
+    ``invalid [n, G, C]`` masks the rows of each group of H heads (a group = one token). The value
+    product runs over the whole rows and keeps the first L columns (no copy of a column slice).
     """
     n, GH, _ = query.shape
     G = invalid.shape[1]
     scores = _bmm_fp32(query, ctx.transpose(1, 2)).view(n, G, GH // G, -1)  # [n, G, H, C]
-    scores.mul_(scale).masked_fill_(invalid.unsqueeze(2), float("-inf"))
+    scores = (scores * scale).masked_fill(invalid.unsqueeze(2), float("-inf"))
     probs = torch.softmax(scores, -1).to(ctx.dtype).view(n, GH, -1)  # BF16 [n, G*H, C]
-    return _bmm_fp32(probs, ctx[..., :kv_lora])
+    return _bmm_fp32(probs, ctx)[..., :kv_lora]
 
 
-def mla_decode_batched(
-    q: torch.Tensor, latent: torch.Tensor, kv_b_weight: torch.Tensor, kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-    q_len: int, scale: float, nope: int,
-) -> torch.Tensor:
-    """Absorbed MLA decode over each request's whole block table, causally masked; [T, H*v] (see mla_decode_ref)."""
+@_inductor_on_cuda
+def _mla_core(q, kv_b_weight, kv_cache, slot_mapping, block_table, seq_lens, q_len: int, scale: float,
+              nope: int) -> torch.Tensor:
+    """mla_decode_batched after the insert: [T, H*v]."""
     T, H, _ = q.shape
     L = kv_b_weight.shape[-1]
     w = kv_b_weight.view(H, -1, L)  # [H, nope+v, L]
-    insert_rows_paged(kv_cache, slot_mapping, latent)
     query = _absorb(q, w, nope)  # [T, H, W]
     W = query.shape[-1]
     B, MB = block_table.shape
@@ -128,21 +133,28 @@ def mla_decode_batched(
         ctx = _gather_rows(kv_cache, block_table[b0:b1], _context_positions(C, seq_lens[b0:b1]))  # [nb, C, W]
         invalid = j > pos[b0:b1]  # [nb, q_len, C]
         parts.append(_attend(query[b0 * q_len:b1 * q_len].reshape(b1 - b0, q_len * H, W), ctx, invalid, L, scale))
-    o_lat = _cat(parts).view(T, H, L)
+    o_lat = _cat(parts).reshape(T, H, L)
     return _project(o_lat, w, nope, slot_mapping >= 0, q.dtype)
 
 
-def sparse_mla_decode_batched(
+def mla_decode_batched(
     q: torch.Tensor, latent: torch.Tensor, kv_b_weight: torch.Tensor, kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor, block_table: torch.Tensor, topk_indices: torch.Tensor,
+    slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
     q_len: int, scale: float, nope: int,
 ) -> torch.Tensor:
-    """Absorbed MLA decode over each token's selected positions ``topk_indices [T, K]`` (-1 = none); [T, H*v]."""
+    """Absorbed MLA decode over each request's whole block table, causally masked; [T, H*v] (see mla_decode_ref)."""
+    insert_rows_paged(kv_cache, slot_mapping, latent)
+    return _mla_core(q, kv_b_weight, kv_cache, slot_mapping, block_table, seq_lens, q_len, scale, nope)
+
+
+@_inductor_on_cuda
+def _sparse_core(q, kv_b_weight, kv_cache, slot_mapping, block_table, topk_indices, q_len: int, scale: float,
+                 nope: int) -> torch.Tensor:
+    """sparse_mla_decode_batched after the insert: [T, H*v]."""
     T, H, _ = q.shape
     L = kv_b_weight.shape[-1]
     K = topk_indices.shape[1]
     w = kv_b_weight.view(H, -1, L)  # [H, nope+v, L]
-    insert_rows_paged(kv_cache, slot_mapping, latent)
     query = _absorb(q, w, nope)  # [T, H, W]
     W = query.shape[-1]
     tables = block_table.repeat_interleave(q_len, 0)  # [T, MB]
@@ -156,6 +168,16 @@ def sparse_mla_decode_batched(
     return _project(o_lat, w, nope, live, q.dtype)
 
 
+def sparse_mla_decode_batched(
+    q: torch.Tensor, latent: torch.Tensor, kv_b_weight: torch.Tensor, kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor, block_table: torch.Tensor, topk_indices: torch.Tensor,
+    q_len: int, scale: float, nope: int,
+) -> torch.Tensor:
+    """Absorbed MLA decode over each token's selected positions ``topk_indices [T, K]`` (-1 = none); [T, H*v]."""
+    insert_rows_paged(kv_cache, slot_mapping, latent)
+    return _sparse_core(q, kv_b_weight, kv_cache, slot_mapping, block_table, topk_indices, q_len, scale, nope)
+
+
 def _index_logits(
     q_fp8: torch.Tensor, w_fold: torch.Tensor, index_cache: torch.Tensor, index_scale: torch.Tensor,
     block_table: torch.Tensor, seq_lens: torch.Tensor, q_len: int,
@@ -165,16 +187,17 @@ def _index_logits(
     B, MB = block_table.shape
     C = MB * index_cache.shape[1]
     q = q_fp8.to(torch.bfloat16)  # e4m3 values are exact in BF16
-    logits = torch.empty(B, q_len, C, dtype=torch.float32, device=q.device)
+    parts = []
     for b0, b1 in _chunks(B, q_len * Hi * C * 4 + C * Di * 3):
         t0, t1, nb = b0 * q_len, b1 * q_len, b1 - b0
         ctx_pos = _context_positions(C, seq_lens[b0:b1])  # [nb, C]
-        keys = _gather_rows(index_cache, block_table[b0:b1], ctx_pos).to(torch.bfloat16)  # [nb, C, Di]
-        k_scale = _gather_rows(index_scale.unsqueeze(-1), block_table[b0:b1], ctx_pos).view(nb, 1, C)
-        dots = _bmm_fp32(q[t0:t1].reshape(nb, q_len * Hi, Di), keys.transpose(1, 2)).relu_()  # [nb, q_len*Hi, C]
-        head_sum = torch.bmm(w_fold[t0:t1].view(nb * q_len, 1, Hi), dots.view(nb * q_len, Hi, C))  # FP32
-        torch.mul(head_sum.view(nb, q_len, C), k_scale, out=logits[b0:b1])
-    return logits.view(T, C)
+        keys = _gather_rows(index_cache.view(torch.uint8), block_table[b0:b1], ctx_pos)  # gathered as bytes
+        keys = keys.view(FP8).to(torch.bfloat16)  # [nb, C, Di]
+        k_scale = _gather_rows(index_scale, block_table[b0:b1], ctx_pos).view(nb, 1, C)
+        dots = _bmm_fp32(q[t0:t1].reshape(nb, q_len * Hi, Di), keys.transpose(1, 2)).view(nb, q_len, Hi, C)
+        head_sum = (dots.relu() * w_fold[t0:t1].view(nb, q_len, Hi, 1)).sum(2)  # [nb, q_len, C] FP32
+        parts.append((head_sum * k_scale).view(nb * q_len, C))
+    return _cat(parts)
 
 
 def select_topk_positions(logits: torch.Tensor, topk: int) -> torch.Tensor:
@@ -191,19 +214,32 @@ def select_topk_positions(logits: torch.Tensor, topk: int) -> torch.Tensor:
     return F.pad(sel, (0, topk - k), value=-1)
 
 
+@_inductor_on_cuda
+def _indexer_core(q_idx, weights, index_cache, index_scale, slot_mapping, block_table, seq_lens, q_len: int,
+                  topk: int) -> torch.Tensor:
+    """dsa_indexer_batched after the key insert: [T, topk] int32."""
+    _, Hi, Di = q_idx.shape
+    q_fp8, q_scale = fp8_pow2_quantize(q_idx)  # [T, Hi, Di], [T, Hi]
+    w_fold = weights.float() * q_scale * (Di ** -0.5) * (Hi ** -0.5)  # [T, Hi]
+    pos = token_positions(seq_lens, q_len)  # [T]
+    logits = _index_logits(q_fp8, w_fold, index_cache, index_scale, block_table, seq_lens, q_len)
+    unseen = (torch.arange(logits.shape[1], device=pos.device) > pos.unsqueeze(1)) | (slot_mapping < 0).unsqueeze(1)
+    return select_topk_positions(logits.masked_fill(unseen, float("-inf")), topk)
+
+
+@_inductor_on_cuda
+def _quantize_keys(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The index keys' FP8 values [T, Di] and power-of-two scales [T] (one fused launch on CUDA)."""
+    return fp8_pow2_quantize(k)
+
+
 def dsa_indexer_batched(
     q_idx: torch.Tensor, weights: torch.Tensor, k: torch.Tensor, index_cache: torch.Tensor,
     index_scale: torch.Tensor, slot_mapping: torch.Tensor, block_table: torch.Tensor,
     seq_lens: torch.Tensor, q_len: int, topk: int,
 ) -> torch.Tensor:
     """FP8 index-key insert + ReLU-weighted logits + top-k; [T, topk] int32 (see dsa_indexer_ref)."""
-    _, Hi, Di = q_idx.shape
-    values, k_scale = fp8_pow2_quantize(k)  # [T, Di] FP8, [T] FP32
+    values, k_scale = _quantize_keys(k)  # [T, Di] FP8, [T] FP32
     insert_rows_paged(index_cache, slot_mapping, values)
     insert_rows_paged(index_scale.unsqueeze(-1), slot_mapping, k_scale.unsqueeze(-1))
-    q_fp8, q_scale = fp8_pow2_quantize(q_idx)  # [T, Hi, Di], [T, Hi]
-    w_fold = weights.float() * q_scale * (Di ** -0.5) * (Hi ** -0.5)  # [T, Hi]
-    pos = token_positions(seq_lens, q_len)  # [T]
-    logits = _index_logits(q_fp8, w_fold, index_cache, index_scale, block_table, seq_lens, q_len)
-    unseen = (torch.arange(logits.shape[1], device=pos.device) > pos.unsqueeze(1)) | (slot_mapping < 0).unsqueeze(1)
-    return select_topk_positions(logits.masked_fill_(unseen, float("-inf")), topk)
+    return _indexer_core(q_idx, weights, index_cache, index_scale, slot_mapping, block_table, seq_lens, q_len, topk)
