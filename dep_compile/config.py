@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 from . import tactics
 
-KINDS = ("dsa", "kda", "moe")
+KINDS = ("dsa", "kda", "moe", "attn_res")  # "attn_res": the AttnRes -> RMSNorm glue points
 DEP_KINDS = KINDS  # kinds rewritten by default; MLA is never rewritten
 FRONT_MAX = 64  # MoE batches above this many rows keep the stock path
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -44,7 +44,8 @@ class DepOptions:
     inductor_config: dict = dataclasses.field(default_factory=dict)
 
     HELP = {
-        "kinds": "subset of ('dsa', 'kda', 'moe') to rewrite; MLA is never rewritten",
+        "kinds": "subset of ('dsa', 'kda', 'moe', 'attn_res') to rewrite (attn_res: the AttnRes -> RMSNorm "
+                 "points); MLA is never rewritten",
         "projection_tables": "{'dsa_qkv_a_g_index'|'kda_in_proj'|'moe_front': {max_rows: SplitK|'cublas'}}",
         "oproj_table": "{max_rows: SplitK|'cublas'} for the 7168 x 12288 o_proj",
         "front_max": "MoE batches above this many rows run the stock path (FRONT_MAX)",

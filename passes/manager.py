@@ -30,8 +30,7 @@ log = logging.getLogger("dep_compile")
 
 # Specific first: each family's anchor op is distinct, so order only fixes the report's grouping.
 PASSES: tuple[type[LayerPass], ...] = (DsaPass, KdaPass, MoePass, MlaPass)
-# Glue between the layers, fused on every graph (not a layer kind: option ``kinds`` does not apply);
-# its rows go to ``MatchReport.points``.
+# Glue between the layers (option ``kinds`` names it "attn_res"); its rows go to ``MatchReport.points``.
 GLUE: tuple[type[LayerPass], ...] = (AttnResPass,)
 
 
@@ -77,7 +76,11 @@ class DepPassManager:
                                            check="policy"))
                     continue
                 rows.append(p.apply(ctx, found))
-        points = [p.apply(ctx, found) for p in self.glue for found in p.find(gm.graph)]
+        points = [p.apply(ctx, found) if p.kind in self.options.kinds else
+                  LayerMatch(found.layer, found.module, p.kind, False,
+                             f"policy: kind {p.kind!r} not in options kinds {self.options.kinds}", p.stock_op,
+                             check="policy")
+                  for p in self.glue for found in p.find(gm.graph)]
         gm.graph.lint()
         gm.recompile()
         rows.sort(key=lambda m: (m.layer if m.layer is not None else 1 << 30, m.kind == "moe"))

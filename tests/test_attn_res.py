@@ -212,10 +212,16 @@ def test_norm_eps_is_threaded_and_a_wrong_eps_fails_validation(monkeypatch):
     assert r.logits_err == 0.0 and r.cache_err == 0.0
 
 
-def test_kinds_option_does_not_switch_off_the_glue():
+def test_kinds_option_names_the_glue():
+    """``kinds`` without "attn_res" leaves every point stock (a policy row each), with "attn_res" fuses them."""
     cfg = preset("k31-small", num_layers=2)
-    r = run_pair(cfg, steps=2, batch=2, options={"kinds": ("kda",)})
+    r = run_pair(cfg, steps=2, batch=2, options={"kinds": ("kda", "attn_res")})
     _assert_all_fused(r.report, cfg)
+    torch._dynamo.reset()
+    r = run_pair(cfg, steps=2, batch=2, options={"kinds": ("kda",)})
+    assert len(r.report.points) == 2 * cfg.num_layers and not any(m.rewritten for m in r.report.points)
+    assert all(m.reason.startswith("policy: kind 'attn_res'") for m in r.report.points), r.report.table()
+    assert r.logits_err == 0.0 and r.cache_err == 0.0
 
 
 # ---- kernels: Triton's interpreter (small) or CUDA (full size) -------------------------------------

@@ -45,8 +45,8 @@ def test_options_returns_the_plain_dict_given():
     ({"validate": "false"}, "kimi_dep: validate: expected a bool, got 'false'"),
     ({"validate": 0}, "kimi_dep: validate: expected a bool, got 0"),
     ({"inductor": 1}, "kimi_dep: inductor: expected a bool, got 1"),
-    ({"kinds": "dsa"}, "kimi_dep: kinds: expected a tuple or list of ('dsa', 'kda', 'moe')"),
-    ({"kinds": ("dsa", "mla")}, "kimi_dep: kinds: expected a subset of ('dsa', 'kda', 'moe')"),
+    ({"kinds": "dsa"}, "kimi_dep: kinds: expected a tuple or list of ('dsa', 'kda', 'moe', 'attn_res')"),
+    ({"kinds": ("dsa", "mla")}, "kimi_dep: kinds: expected a subset of ('dsa', 'kda', 'moe', 'attn_res')"),
     ({"batches": 8}, "kimi_dep: batches: expected a tuple or list of ints >= 1, got 8"),
     ({"batches": ("1", 2)}, "kimi_dep: batches: expected a tuple or list of ints >= 1, got ('1', 2)"),
     ({"sparse_mla": "flashmla"}, "kimi_dep: sparse_mla: expected one of 'auto', 'triton', 'flashinfer', got 'flashmla'"),
@@ -146,8 +146,8 @@ def no_build(monkeypatch):
 
 @pytest.mark.parametrize("args, message", [
     (["--preset", "k4-small"], "unknown --preset 'k4-small'; valid: k3, k31, k3-small, k31-small, mixed-small"),
-    (["--kinds", "dsa,mla"], "unknown --kinds 'mla'; valid: a comma-separated subset of dsa,kda,moe (MLA is never rewritten)"),
-    (["--kinds", "dsa,attn,kda,x"], "unknown --kinds 'attn', 'x'; valid: a comma-separated subset of dsa,kda,moe"),
+    (["--kinds", "dsa,mla"], "unknown --kinds 'mla'; valid: a comma-separated subset of dsa,kda,moe,attn_res (MLA is never rewritten)"),
+    (["--kinds", "dsa,attn,kda,x"], "unknown --kinds 'attn', 'x'; valid: a comma-separated subset of dsa,kda,moe,attn_res"),
     (["--batch", "0"], "--batch must be >= 1, got 0"),
     (["--q", "-1"], "--q must be >= 1, got -1"),
 ])
