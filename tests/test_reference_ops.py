@@ -664,7 +664,7 @@ def _captured_kimi_dep_calls() -> dict:
 def test_opcheck_kimi_dep_ops():
     """The rewritten-layer ops, with the arguments and prepared layers of a real rewrite."""
     calls = _captured_kimi_dep_calls()
-    assert set(calls) == {"kda_attention", "dsa_attention", "moe"}, sorted(calls)
+    assert set(calls) == {"kda_attention", "dsa_attention", "moe", "attn_res_norm"}, sorted(calls)
     for name, (op, args) in calls.items():
         has_fp8 = any(isinstance(a, torch.Tensor) and a.dtype == FP8 for a in args)
         torch.library.opcheck(op, args, test_utils=_NO_FP8_SCHEMA_CHECK if has_fp8 else "ALL")
