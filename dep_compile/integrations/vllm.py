@@ -19,17 +19,25 @@ so cache hits are safe.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.fx as fx
 from torch import nn
 from vllm.compilation.passes.inductor_pass import InductorPass
 
+from dep_compile.debug.report import last_report
 from dep_compile.ops.packing import pack_params
 from dep_compile.passes.manager import DepPostGradPass
 
 PASS_NAME = "dep_compile_vllm.kimi_dep_pass"  # the qualified name vLLM's config resolves
+log = logging.getLogger("vllm.dep_compile")  # under vLLM's logger, so its handler prints it in every process
+NO_MATCH = ("kimi_dep: no kimi_k3 op in graph {graph}, so nothing was rewritten: this model's compiled graph does "
+            "not call the dep_compile stock ops (vLLM's own K3 model is not torch.compiled, and other models hold "
+            "vLLM's ops). Serve K3 / K3.1 with the dep_compile model: "
+            "hf_overrides={{\"architectures\": [\"DepKimiK3ForCausalLM\"]}} (docs/vllm.md)")
 
 
 class KimiDepInductorPass(DepPostGradPass, InductorPass):
@@ -40,6 +48,15 @@ class KimiDepInductorPass(DepPostGradPass, InductorPass):
     ``InductorPass``. ``uuid()`` also hashes this file: stable across processes, different when
     the passes, this integration or the options change.
     """
+
+    def __call__(self, graph: fx.Graph) -> None:
+        """Rewrite the graph; log the match report (one line a layer), or why nothing matched."""
+        super().__call__(graph)
+        report = last_report()
+        if report.layers:
+            log.info("kimi_dep match report\n%s", report.table())
+        else:
+            log.warning(NO_MATCH.format(graph=report.graph))
 
     def uuid(self) -> str:
         return self.manager().uuid(Path(__file__))

@@ -1,0 +1,57 @@
+"""The engine settings the dep_compile K3 model needs, applied by vLLM's per-architecture config hook."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+log = logging.getLogger("dep_compile.vllm_k3")
+
+MAX_STEP_TOKENS = 8  # tokens a request may bring to one step (= kimi_dep's default max_q: KDA/DSA stay rewritten)
+
+
+def step_sizes(vllm_config) -> tuple[int, int, int, int]:
+    """(requests B, tokens per request Q, blocks, block size) of the padded step layout."""
+    sched, cache = vllm_config.scheduler_config, vllm_config.cache_config
+    bs = cache.block_size
+    blocks = cache.num_gpu_blocks_override
+    if blocks is None:
+        raise ValueError("the dep_compile K3 model needs cache_config.num_gpu_blocks_override (its hook sets it)")
+    return sched.max_num_seqs, sched.max_num_batched_tokens, blocks, bs
+
+
+class DepKimiK3EngineConfig:
+    """vLLM's per-architecture hook (``MODELS_CONFIG_MAP``): the scheduler limits the padded layout relies on.
+
+    - Every step is laid out as ``max_num_seqs`` requests x ``Q`` tokens, Q = ``max_num_batched_tokens``:
+      the stock ``kimi_k3`` ops take uniform steps (B requests of q tokens, with accepted counts), so
+      the budget is capped at ``MAX_STEP_TOKENS`` and ``max_num_seqs`` at the budget.
+    - Prefix caching is off: a request's first block id names its KDA state slot.
+    - ``num_gpu_blocks_override`` fixes the block pool, so the model can allocate its caches
+      at construction (the CPU worker compiles before vLLM allocates its KV pool).
+    """
+
+    @staticmethod
+    def verify_and_update_config(vllm_config) -> None:
+        sched, cache = vllm_config.scheduler_config, vllm_config.cache_config
+        if sched.max_num_batched_tokens > MAX_STEP_TOKENS:
+            log.warning("dep_compile K3: max_num_batched_tokens %d -> %d (each step is padded to max_num_seqs x "
+                        "max_num_batched_tokens tokens)", sched.max_num_batched_tokens, MAX_STEP_TOKENS)
+            sched.max_num_batched_tokens = MAX_STEP_TOKENS
+            if getattr(sched, "max_num_scheduled_tokens", None):
+                sched.max_num_scheduled_tokens = min(sched.max_num_scheduled_tokens, MAX_STEP_TOKENS)
+        if sched.max_num_seqs > sched.max_num_batched_tokens:
+            log.warning("dep_compile K3: max_num_seqs %d -> %d", sched.max_num_seqs, sched.max_num_batched_tokens)
+            sched.max_num_seqs = sched.max_num_batched_tokens
+        sched.long_prefill_token_threshold = 0
+        cache.enable_prefix_caching = False
+        if cache.num_gpu_blocks_override is None:
+            per_request = math.ceil(vllm_config.model_config.max_model_len / cache.block_size)
+            cache.num_gpu_blocks_override = sched.max_num_seqs * per_request + 1  # + vLLM's null block 0
+
+    @staticmethod
+    def verify_and_update_model_config(model_config) -> None:
+        return
+
+
+__all__ = ["DepKimiK3EngineConfig", "step_sizes", "MAX_STEP_TOKENS"]

