@@ -57,8 +57,10 @@ class DepPassManager:
         self.passes = [p() for p in PASSES]
         self.glue = [p() for p in GLUE]
 
-    def run(self, gm: fx.GraphModule, example_inputs: Sequence[Any] | None, postgrad: bool = False) -> RewriteResult:
-        """Rewrite ``gm`` in place. ``postgrad``: it is Inductor's post-grad graph (no real inputs)."""
+    def run(self, gm: fx.GraphModule, example_inputs: Sequence[Any] | None, postgrad: bool = False,
+            warn_no_match: bool = True) -> RewriteResult:
+        """Rewrite ``gm`` in place. ``postgrad``: it is Inductor's post-grad graph (no real inputs);
+        ``warn_no_match=False``: the caller says itself why a graph with no subgraph was left alone."""
         t0 = time.perf_counter()
         graph_name = f"{'postgrad_' if postgrad else ''}graph_{DepPassManager._graphs}"
         DepPassManager._graphs += 1
@@ -93,7 +95,7 @@ class DepPassManager:
         if self.options.dump_dir:
             dump.write_after(self.options.dump_dir, report, gm)
         log.info("%s", report.summary())
-        if not rows:
+        if not rows and warn_no_match:
             log.warning("kimi_dep: no DSA, KDA, MoE or MLA subgraph found in %s; the graph is compiled unchanged",
                         report.graph)
         if rows and not points:
@@ -132,6 +134,8 @@ class DepPostGradPass(CustomGraphPass):
     prepared layers from the ``layer`` strings they carry (``dep_compile.ops.registry``).
     """
 
+    explains_no_match = False  # a subclass that logs its own reason for a graph with no subgraph
+
     def __init__(self, options: dict | None = None):
         self.options = dict(options or {})
         DepOptions.from_dict(self.options)  # reject unknown options at construction
@@ -143,7 +147,7 @@ class DepPostGradPass(CustomGraphPass):
         gm = graph.owning_module
         if gm is None:  # a bare Graph: wrap it so the passes can recompile and dump
             gm = fx.GraphModule(torch.nn.Module(), graph)
-        self.manager().run(gm, None, postgrad=True)
+        self.manager().run(gm, None, postgrad=True, warn_no_match=not self.explains_no_match)
 
     def uuid(self) -> str:
         return self.manager().uuid()
