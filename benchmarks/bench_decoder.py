@@ -246,31 +246,18 @@ def time_wall(fn, calls: int = 3) -> float:
 
 def kernel_groups(step, replays: int = 3) -> list[dict]:
     """GPU µs per step of one CUDA-graph-captured ``step()``, summed by ``KERNEL_GROUPS``, largest first."""
-    from torch.profiler import ProfilerActivity, profile
+    from common import kernel_profile
 
-    from common import capture_graph
-
-    graph = capture_graph(step)
-    graph.replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            graph.replay()
-        torch.cuda.synchronize()
     totals: dict[str, list] = {}
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        name = e.name.lower()
-        group = next((g for g, keys in KERNEL_GROUPS if any(k in name for k in keys)), "other")
-        t = totals.setdefault(group, [0.0, 0, {}])
-        t[0] += e.device_time
-        t[1] += 1
-        t[2][e.name[:70]] = t[2].get(e.name[:70], 0.0) + e.device_time
-    graph.reset()
-    rows = [dict(group=g, us=t / replays, launches=n / replays,
-                 top=sorted(((k, v / replays) for k, v in ks.items()), key=lambda kv: -kv[1])[:3])
-            for g, (t, n, ks) in totals.items()]
+    for k in kernel_profile(step, replays, top=None, name_chars=None):
+        name = k["kernel"].lower()
+        group = next((g for g, keys in KERNEL_GROUPS if any(key in name for key in keys)), "other")
+        t = totals.setdefault(group, [0.0, 0.0, {}])
+        t[0] += k["us"]
+        t[1] += k["launches"]
+        t[2][k["kernel"][:70]] = t[2].get(k["kernel"][:70], 0.0) + k["us"]
+    rows = [dict(group=g, us=us, launches=n, top=sorted(ks.items(), key=lambda kv: -kv[1])[:3])
+            for g, (us, n, ks) in totals.items()]
     return sorted(rows, key=lambda r: -r["us"])
 
 

@@ -153,8 +153,10 @@ def time_graph(
     return out
 
 
-def kernel_profile(step: Callable[[], object], replays: int = 5, top: int = 12) -> list[dict[str, object]]:
-    """The ``top`` kernels of one CUDA-graph-captured ``step()`` by GPU time: name, µs per step, launches per step.
+def kernel_profile(step: Callable[[], object], replays: int = 5, top: int | None = 12,
+                   name_chars: int | None = 90) -> list[dict[str, object]]:
+    """The ``top`` kernels (None: all) of one CUDA-graph-captured ``step()`` by GPU time: name (its first
+    ``name_chars``; None: whole), µs per step, launches per step.
 
     The step is captured once (after an eager warm-up on a side stream) and its graph replayed
     ``replays`` times under the torch profiler.
@@ -175,7 +177,7 @@ def kernel_profile(step: Callable[[], object], replays: int = 5, top: int = 12) 
             t[0] += e.device_time
             t[1] += 1
     graph.reset()
-    rows = [dict(kernel=n[:90], us=t / replays, launches=c / replays) for n, (t, c) in totals.items()]
+    rows = [dict(kernel=n[:name_chars], us=t / replays, launches=c / replays) for n, (t, c) in totals.items()]
     return sorted(rows, key=lambda r: -r["us"])[:top]
 
 

@@ -11,6 +11,7 @@ import dep_compile
 from dep_compile.config import CUBLAS_ONLY  # noqa: F401  (re-exported to the tests)
 from dep_compile.stock import KimiCache, RequestBatch, build_model
 from dep_compile.stock.cache import FP8_REL, cache_differences
+from dep_compile.stock.moe import KimiMoE
 
 # BF16 tolerances. Pattern-only mode runs the same references in the same order as stock, so
 # with cuBLAS tactics it is exact; split-K tactics change only the summation order of one
@@ -18,6 +19,17 @@ from dep_compile.stock.cache import FP8_REL, cache_differences
 # glue (norms, AttnRes, residuals) is fused, again moving BF16 results by a few ulps.
 LOGIT_ATOL = 0.1  # logits are O(1); a wrong slice or lost cache write moves them by O(1)
 STATE_ATOL = 0.05
+
+
+class MoeBlock(torch.nn.Module):
+    """One MoE layer as its own graph: x [T, hidden] -> [T, hidden]."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.mlp = KimiMoE(cfg)
+
+    def forward(self, x):
+        return self.mlp(x)
 
 
 @contextlib.contextmanager

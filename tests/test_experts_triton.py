@@ -23,6 +23,7 @@ import torch
 
 from dep_compile.stock.reference.moe import routed_experts_partial
 
+from helpers import MoeBlock
 from triton_device import TRITON_DEV as _DEV, device_test, use_triton
 
 BETA, BETA_LIN = 4.0, 25.0
@@ -216,17 +217,6 @@ def test_moe_op_experts_tail_matches_stock(T):
     assert rel <= 1e-2 and float((got - ref).abs().max()) <= 2 ** -4 * float(ref.abs().max()), rel
 
 
-class _MoeBlock(torch.nn.Module):
-    def __init__(self, cfg):
-        from dep_compile.stock.moe import KimiMoE  # noqa: PLC0415
-
-        super().__init__()
-        self.mlp = KimiMoE(cfg)
-
-    def forward(self, x):
-        return self.mlp(x)
-
-
 @pytest.mark.cuda
 def test_moe_op_matches_stock_layer():
     """The whole kimi_dep MoE op (this experts path inside) against the stock layer in eager, small
@@ -238,7 +228,7 @@ def test_moe_op_matches_stock_layer():
 
     rows = 16
     cfg = preset("k31-small", hidden_size=512, moe_latent_size=256, shared_intermediate=256)
-    block = init_weights(_MoeBlock(cfg), seed=0).cuda().eval().requires_grad_(False)
+    block = init_weights(MoeBlock(cfg), seed=0).cuda().eval().requires_grad_(False)
     dep = torch.compile(block, backend="kimi_dep", fullgraph=True)
     x = torch.randn(rows, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():

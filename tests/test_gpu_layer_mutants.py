@@ -70,24 +70,13 @@ from dep_compile.ops.moe import EpMoeLayer  # noqa: E402
 from dep_compile.stock import StepMeta, preset  # noqa: E402
 from dep_compile.stock.cache import FP8_REL  # noqa: E402
 from dep_compile.stock.model import init_weights  # noqa: E402
-from dep_compile.stock.moe import KimiMoE  # noqa: E402
+from helpers import MoeBlock  # noqa: E402
 
 K = 2.0  # bound = K x stock's own error against the FP32 reference
 OLD_OUT_TOL = ba.OUT_TOL  # the old parity bound (kimi_dep vs BF16 stock), printed for each mutant
 GAIN_SIGMAS = 4.0  # floor of a gain bound, in standard errors of the gain estimate
 ROUTER_FLOOR = 1e-6  # FP32 resolution of the routing weights: logits summed in another order
 LATENT_GAIN = 4.0  # DSA cached latents at std 2 (the benchmark's 0.5 x 4): attention not near-uniform
-
-
-class MoeBlock(nn.Module):
-    """One MoE layer as its own graph: x [T, hidden] -> [T, hidden]."""
-
-    def __init__(self, cfg):
-        super().__init__()
-        self.mlp = KimiMoE(cfg)
-
-    def forward(self, x):
-        return self.mlp(x)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -7,23 +7,15 @@ import torch
 
 from dep_compile.stock import preset
 from dep_compile.stock.model import init_weights
-from dep_compile.stock.moe import KimiMoE
 
-
-class Block(torch.nn.Module):
-    def __init__(self, cfg):
-        super().__init__()
-        self.mlp = KimiMoE(cfg)
-
-    def forward(self, x):
-        return self.mlp(x)
+from helpers import MoeBlock
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("rows", [1, 16, 96])  # 96 > FRONT_MAX: the stock front inside the op
 def test_moe_streams_match_eager_and_capture(rows):
     cfg = preset("k31-small", hidden_size=512, moe_latent_size=256, shared_intermediate=256)
-    block = init_weights(Block(cfg), seed=0).cuda().eval().requires_grad_(False)
+    block = init_weights(MoeBlock(cfg), seed=0).cuda().eval().requires_grad_(False)
     dep = torch.compile(block, backend="kimi_dep", fullgraph=True)
     x = torch.randn(rows, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
