@@ -8,18 +8,21 @@ Unfused (conceptually)::
     q = q_b(q_a).view(T, H, nope + rope); q_idx = wq_b(q_a).view(T, Hi, Di)
     topk = kimi_k3.dsa_indexer(q_idx, w_idx, layer_norm(k_idx), index caches, metadata, q_len, topk)
     o = kimi_k3.sparse_mla_decode(q, latent, kv_b_w, kv_cache, metadata, topk, q_len, scale, nope)
+    #   (or kimi_k3.sparse_mla_decode_fp8(q, latent, kv_b_w, kv_cache, kv_scale, ...) on an FP8 latent cache)
     out = o_proj((o.float() * sigmoid(gate.float())).to(bf16))
 
 Fused replacement: ``kimi_dep.dsa_attention(x, [packed row blocks], norms' weights, q_b_w, kv_b_w, wq_b_w,
 k_norm_w, k_norm_b, o_proj_w, kv_cache, index_cache, index_scale, slot_mapping, block_table, seq_lens,
-q_len, layer)``.
+q_len, layer)``, or ``kimi_dep.dsa_attention_fp8`` (the same with ``kv_scale`` after ``kv_cache``) on an
+FP8 latent cache, the format carried in ``PreparedDsa.latent_cache``.
 
 Checks: the five roles are row ranges of bias-free linears of x that tile whole weights in the
 order q_a | kv_a | gate | wk | wv (so they pack); the norms are the stock FP32 RMSNorm / LayerNorm
 (eps carried); q_b and wq_b read the normed q_a; the latent is exactly [rms(c_kv) | k_rope]; the
 gate is sigmoid of the FP32 gate range times the FP32 attention output, rounded once to BF16, and
-feeds only o_proj; indexer and sparse MLA share their metadata; caches have no other reader; every
-other node is plumbing; then translation validation.
+feeds only o_proj; indexer and sparse MLA share their metadata; the latent cache is BF16, or FP8
+e4m3 with an FP32 [NB, BS] scale tensor (the FP8 op); caches have no other reader; every other node
+is plumbing; then translation validation.
 """
 
 from __future__ import annotations
@@ -39,8 +42,10 @@ from .validate import shapes_of
 
 Node = torch.fx.Node
 SPARSE_MLA = torch.ops.kimi_k3.sparse_mla_decode
+SPARSE_MLA_FP8 = torch.ops.kimi_k3.sparse_mla_decode_fp8  # on an FP8 latent cache with per-token scales
 INDEXER = torch.ops.kimi_k3.dsa_indexer
 DSA_ATTENTION = torch.ops.kimi_dep.dsa_attention
+DSA_ATTENTION_FP8 = torch.ops.kimi_dep.dsa_attention_fp8
 ROLES = ("q_a", "kv_a", "gate", "wk", "wv")
 
 
@@ -98,11 +103,14 @@ class DsaMatch:
     index_dim: int
     eps: tuple  # q_a, kv_a, k_norm
     claimed: set
+    latent_cache: str  # "bfloat16" | "float8_e4m3fn" (kv_scale in mla)
+    mla_op: object  # the sparse MLA overload matched: SPARSE_MLA or SPARSE_MLA_FP8 (.default)
 
 
 def find_dsa(ctx: PassContext, S: Node) -> DsaMatch:
     """Check that the layer around sparse-MLA call ``S`` is the stock DSA; NoMatch names the failed check."""
-    a = op_args(S, SPARSE_MLA.default)
+    mla_op = (SPARSE_MLA_FP8 if is_call(S, SPARSE_MLA_FP8) else SPARSE_MLA).default
+    a = op_args(S, mla_op)
     I = producer(a["topk_indices"])  # the indexer call (its auto_functionalized wrapper post-grad)
     require(is_call(I, INDEXER), "sparse MLA's selection does not come from the DSA indexer", I)
     I_out = ctx.result(I)
@@ -166,24 +174,45 @@ def find_dsa(ctx: PassContext, S: Node) -> DsaMatch:
             f"{val(S_out).shape[-1]}", gate)
     require(val(k_raw).shape[-1] == Di and val(ia["weights"]).shape[-1] == Hi,
             "index keys / weights widths differ from the indexer query's", I)
-    check_bf16("DSA activations/weights", x, q_b.w, wq_b.w, o_lin.w, a["kv_cache"], a["q"], a["latent"], ia["q_idx"],
+    check_bf16("DSA activations/weights", x, q_b.w, wq_b.w, o_lin.w, a["q"], a["latent"], ia["q_idx"],
                ia["weights"], ia["k"], *pack)
-    for n in (a["kv_cache"], ia["index_cache"], ia["index_scale"]):
-        check_only_user(n, S if n is a["kv_cache"] else I, n.name)
+    latent_cache = check_latent_cache(S, mla_op, a)
+    for n in (a["kv_cache"], ia["index_cache"], ia["index_scale"]) + ((a["kv_scale"],) if "kv_scale" in a else ()):
+        check_only_user(n, I if n in (ia["index_cache"], ia["index_scale"]) else S, n.name)
     check_q_len(a["q_len"], ctx.options.max_q, S)
     for w, what in ((q_b.w, "q_b_proj"), (wq_b.w, "wq_b"), (o_lin.w, "o_proj"), (a["kv_b_weight"], "kv_b_proj"),
                     (q_a_norm_w, "q_a norm weight"), (kv_a_norm_w, "kv_a norm weight"),
                     (k_norm_w, "k_norm weight"), (k_norm_b, "k_norm bias")):
         ctx.param(w, what)
     return DsaMatch(x, pack, q_a_norm_w, kv_a_norm_w, q_b.w, wq_b.w, k_norm_w, k_norm_b, o_lin.w, o_user, a, ia, I,
-                    H, rope, q_lora, kv_lora, gate_width, Hi, Di, (q_a_eps, kv_a_eps, k_eps), claimed)
+                    H, rope, q_lora, kv_lora, gate_width, Hi, Di, (q_a_eps, kv_a_eps, k_eps), claimed, latent_cache,
+                    mla_op=mla_op)
+
+
+def check_latent_cache(S: Node, mla_op, a: dict) -> str:
+    """The latent cache format of sparse-MLA call ``S``: "bfloat16" (the BF16 op on a BF16 cache) or
+    "float8_e4m3fn" (the FP8 op on an FP8 e4m3 cache with an FP32 [NB, BS] scale tensor)."""
+    shapes = shapes_of(S, mla_op, ("kv_cache", "kv_scale") if mla_op is SPARSE_MLA_FP8.default else ("kv_cache",))
+    dtype = val(a["kv_cache"]).dtype
+    if mla_op is SPARSE_MLA.default:
+        require(dtype == torch.bfloat16, f"latent cache is {dtype}, not bfloat16 (the BF16 sparse MLA op)",
+                a["kv_cache"])
+        return "bfloat16"
+    require(dtype == torch.float8_e4m3fn, f"FP8 latent cache is {dtype}, not float8_e4m3fn", a["kv_cache"])
+    sv = val(a["kv_scale"])
+    require(sv is not None and sv.dtype == torch.float32, f"latent scales are {getattr(sv, 'dtype', None)}, not "
+            "float32", a["kv_scale"])
+    require(tuple(shapes["kv_scale"]) == tuple(shapes["kv_cache"][:2]), f"latent scales {list(shapes['kv_scale'])} "
+            f"are not one per cache row {list(shapes['kv_cache'][:2])}", a["kv_scale"])
+    return "float8_e4m3fn"
 
 
 class DsaPass(LayerPass):
-    """Rewrites each stock DSA attention layer (``find_dsa``) into one ``kimi_dep.dsa_attention`` call."""
+    """Rewrites each stock DSA attention layer (``find_dsa``) into one ``kimi_dep.dsa_attention`` call
+    (``kimi_dep.dsa_attention_fp8`` on an FP8 latent cache)."""
 
     kind = "dsa"
-    anchors = (SPARSE_MLA,)
+    anchors = (SPARSE_MLA, SPARSE_MLA_FP8)
     stock_op = "kimi_k3.dsa_indexer + kimi_k3.sparse_mla_decode"
 
     def rewrite(self, ctx: PassContext, found: Found):
@@ -195,20 +224,25 @@ class DsaPass(LayerPass):
             scale=float(a["scale"]), q_a_eps=m.eps[0], kv_a_eps=m.eps[1], k_norm_eps=m.eps[2],
             projection=DepProjection("dsa_qkv_a_g_index", opts.projection_tables["dsa_qkv_a_g_index"]),
             o_proj=DepProjection("o_proj", opts.oproj_table), sparse_mla=opts.sparse_mla,
+            latent_cache=m.latent_cache,
         )
+        fp8 = m.latent_cache == "float8_e4m3fn"
         require(sum(prepared.split_sizes) == sum(ctx.param(w, "packed weight").shape[0] for w in m.pack),
                 "packed rows do not add up to q_a | kv_a | gate | wk | wv", found.anchor)
         # the sparse-MLA kernel, chosen (and FlashInfer's workspace allocated) now, outside any graph
         reserve_sparse_mla(opts.sparse_mla, val(a["kv_cache"]), heads=m.heads, kv_lora=m.kv_lora, nope=int(a["nope"]))
-        roles = {"kv_cache": a["kv_cache"], "index_cache": ia["index_cache"], "index_scale": ia["index_scale"],
-                 "slot_mapping": a["slot_mapping"], "block_table": a["block_table"], "seq_lens": ia["seq_lens"],
+        roles = {"kv_cache": a["kv_cache"], **({"kv_scale": a["kv_scale"]} if fp8 else {}),
+                 "index_cache": ia["index_cache"], "index_scale": ia["index_scale"], "slot_mapping": a["slot_mapping"],
+                 "block_table": a["block_table"], "seq_lens": ia["seq_lens"],
                  "q_len": a["q_len"], "topk": int(ia["topk"])}
-        shapes = {**shapes_of(found.anchor, SPARSE_MLA.default, ("kv_cache",)),
+        shapes = {**shapes_of(found.anchor, m.mla_op, ("kv_cache", "kv_scale") if fp8 else ("kv_cache",)),
                   **shapes_of(m.indexer_node, INDEXER.default, ("index_cache", "index_scale"))}
-        ctx.commit(found, x=m.x, output=m.output, claimed=m.claimed, target=DSA_ATTENTION.default, args=(
+        target, op = ((DSA_ATTENTION_FP8, "kimi_dep.dsa_attention_fp8") if fp8
+                      else (DSA_ATTENTION, "kimi_dep.dsa_attention"))
+        ctx.commit(found, x=m.x, output=m.output, claimed=m.claimed, target=target.default, args=(
             m.x, m.pack, m.q_a_norm_w, m.kv_a_norm_w, m.q_b_w, a["kv_b_weight"], m.wq_b_w, m.k_norm_w, m.k_norm_b,
-            m.o_w, a["kv_cache"], ia["index_cache"], ia["index_scale"], a["slot_mapping"], a["block_table"],
-            ia["seq_lens"], a["q_len"], None), prepared=prepared, roles=roles, shapes=shapes,
-            pack=[(m.pack, "DSA projection")])
+            m.o_w, a["kv_cache"], *((a["kv_scale"],) if fp8 else ()), ia["index_cache"], ia["index_scale"],
+            a["slot_mapping"], a["block_table"], ia["seq_lens"], a["q_len"], None), prepared=prepared, roles=roles,
+            shapes=shapes, pack=[(m.pack, "DSA projection")])
         tactics = {p.name: p.policies(opts.batches) for p in (prepared.projection, prepared.o_proj)}
-        return "kimi_dep.dsa_attention", tactics
+        return op, tactics

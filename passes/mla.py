@@ -9,13 +9,14 @@ from dep_compile.debug.report import LayerMatch
 from .base import Found, LayerPass, PassContext
 
 MLA_DECODE = torch.ops.kimi_k3.mla_decode
+MLA_DECODE_FP8 = torch.ops.kimi_k3.mla_decode_fp8  # on an FP8 latent cache with per-token scales
 
 
 class MlaPass(LayerPass):
     """Lists each stock MLA layer in the report; the policy keeps it stock."""
 
     kind = "mla"
-    anchors = (MLA_DECODE,)
+    anchors = (MLA_DECODE, MLA_DECODE_FP8)
     stock_op = "kimi_k3.mla_decode"
 
     def apply(self, ctx: PassContext, found: Found) -> LayerMatch:

@@ -38,7 +38,7 @@ CPU_MAX_REL = 2.0 ** -7  # one BF16 rounding at the tensor's largest value: cuBL
 CUDA_MAX_REL = 2.0 ** -5  # kernels vs the stock CUDA ops: BF16 roundings in another order (seen: <= 6.7e-3)
 CUDA_RMS_REL = 2.0 ** -7
 META_ROLES = ("slot_mapping", "block_table", "seq_lens", "state_indices", "accepted")
-CACHE_ROLES = ("conv_state", "recurrent_state", "kv_cache", "index_cache", "index_scale")
+CACHE_ROLES = ("conv_state", "recurrent_state", "kv_cache", "index_cache", "index_scale", "kv_scale")
 
 
 @dataclasses.dataclass
@@ -163,6 +163,10 @@ class _Inputs:
             return t.mul(4).clamp(-8, 8).to(FP8).to(self.device)
         if role == "index_scale":
             return t.abs().add(0.01).to(dtype).to(self.device)
+        if role == "kv_cache" and dtype == FP8:  # FP8 latent rows, with power-of-two kv_scale
+            return t.mul(32).clamp(-448, 448).to(FP8).to(self.device)
+        if role == "kv_scale":
+            return torch.exp2(t.round().clamp(-2, 2) - 6).to(dtype).to(self.device)
         return (t * 0.5).to(dtype).to(self.device)
 
 
@@ -302,8 +306,11 @@ def _error(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
 
 
 def _dequantized(caches: dict) -> dict:
-    """Caches to compare: FP8 index keys times their per-token scales (codes alone are not comparable)."""
-    out = {k: v for k, v in caches.items() if k not in ("index_cache", "index_scale")}
+    """Caches to compare: FP8 index keys and FP8 latent rows times their per-token scales (codes alone
+    are not comparable)."""
+    out = {k: v for k, v in caches.items() if k not in ("index_cache", "index_scale", "kv_scale")}
+    if "kv_scale" in caches:
+        out["kv_cache"] = caches["kv_cache"].float() * caches["kv_scale"].float().unsqueeze(-1)
     if "index_cache" in caches:
         out["index_keys"] = caches["index_cache"].float() * caches["index_scale"].float().unsqueeze(-1)
     return out

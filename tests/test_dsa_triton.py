@@ -17,6 +17,9 @@ Checks and tolerances:
 * sparse MLA latent output, over positions or cache rows: relative Frobenius error <= 1e-2 and
   max abs <= 2e-2 against the FP32 reference (the kernel feeds the softmax weights to the value
   dot in BF16, as flash attention does; outputs are O(0.1)), padding tokens exactly 0.
+* FP8 latent cache (e4m3 rows, per-token power-of-two scales): the insert bit-identical to the
+  reference quantizer of the BF16 insert's rows; the sparse MLA within the tolerances above of the
+  reference over the dequantized rows, and a mutant with the scales ignored far outside them.
 
 Full size (96 heads, latent 512 + 64, 32 index heads x 128, top-2048) runs on CUDA only
 (marked ``cuda``); ``TRITON_TEST_DEVICE=cpu TRITON_INTERPRET=1`` runs the small size in
@@ -35,6 +38,7 @@ from dep_compile.stock.reference.dsa import index_logits as ref_index_logits
 from dep_compile.stock.reference.dsa import insert_index_keys, select_topk
 from dep_compile.stock.reference.mla import attend_latent, gather_context, token_positions
 
+from helpers import same_bits
 from triton_device import DEVICE_MARKS, TRITON_DEV as _DEV, ulps, use_triton
 
 pytestmark = DEVICE_MARKS
@@ -373,3 +377,80 @@ def test_sparse_mla_latent_rows(q_len, splits):
     assert (got[r["slot_mapping"] < 0] == 0).all(), "padding tokens must be 0"
     rel = float((got - ref).norm() / ref.norm())
     assert rel <= 1e-2 and float((got - ref).abs().max()) <= 2e-2, f"rel {rel:.2e}"
+
+
+def fp8_latent(c: dict) -> dict:
+    """The case's latent pool as FP8 e4m3 rows with per-token power-of-two scales (the reference
+    quantizer), and its layer-1 views: ``kv8_pool``, ``ks_pool``, ``kv8``, ``ks``."""
+    v, s = fp8_pow2_quantize(c["kv_pool"])  # [NB, BS, 2, L+R] FP8, [NB, BS, 2] FP32
+    return dict(kv8_pool=v, ks_pool=s, kv8=v[:, :, 1], ks=s[:, :, 1])
+
+
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_latent_insert_fp8(q_len):
+    """FP8 latent insert: each written row is bit-identical to the reference quantizer
+    (``fp8_pow2_quantize``) of the row the BF16 insert writes (itself within one BF16 ulp of the
+    reference, test_latent_insert), scale included; every other entry (other rows, the spare
+    layer) untouched."""
+    dt = _dt()
+    size = "full" if _DEV != "cpu" else "small"
+    c = make_case(size, q_len, seed=12, device=_DEV)
+    f = fp8_latent(c)
+    L, LR = c["L"], c["kv_pool"].shape[-1]
+    g = torch.Generator().manual_seed(13)
+    kv_a = (torch.randn(c["slot_mapping"].shape[0], LR, generator=g) * 1.5).to(torch.bfloat16).to(_DEV)
+    w = (1 + 0.1 * torch.randn(L, generator=g)).to(torch.bfloat16).to(_DEV)
+    before8, before_s = f["kv8_pool"].cpu().clone(), f["ks_pool"].cpu().clone()
+    dt.latent_insert(kv_a, w, 1e-6, f["kv8"], c["slot_mapping"], kv_scale=f["ks"])
+    dt.latent_insert(kv_a, w, 1e-6, c["kv_cache"], c["slot_mapping"])  # the BF16 rows it quantizes
+    slots = c["slot_mapping"].cpu()
+    live = slots >= 0
+    blk, off = slots[live] // c["kv_cache"].shape[1], slots[live] % c["kv_cache"].shape[1]
+    want_v, want_s = fp8_pow2_quantize(c["kv_cache"].cpu()[blk, off])
+    got8, got_s = f["kv8_pool"].cpu(), f["ks_pool"].cpu()
+    assert same_bits(got8[blk, off, 1], want_v), "FP8 latent rows differ from the quantized BF16 rows"
+    assert torch.equal(got_s[blk, off, 1], want_s), "latent scales differ"
+    written = torch.zeros(got_s.shape, dtype=torch.bool)
+    written[blk, off, 1] = True
+    assert same_bits(got8[~written], before8[~written]) and torch.equal(got_s[~written], before_s[~written]), \
+        "an entry that is not this step's row was written"
+
+
+@pytest.mark.parametrize("physical", [False, True])
+@pytest.mark.parametrize("q_len", [1, 2])
+def test_sparse_mla_latent_fp8(q_len, physical):
+    """The sparse MLA on an FP8 latent cache against the reference over the dequantized rows
+    (``gather_latent``): tolerances as test_sparse_mla_latent (the dequantized rows are exact in
+    BF16, so the FP8 format adds no kernel error); padding tokens 0. Mutant: the same kernel
+    with the scales ignored (all ones) misses the reference by far."""
+    from dep_compile.stock.reference.mla import gather_latent  # noqa: PLC0415
+
+    dt = _dt()
+    size = "full" if _DEV != "cpu" else "small64"
+    c = make_case(size, q_len, seed=14, device=_DEV)
+    r = cpu(c)
+    f = fp8_latent(c)
+    fr = {n: t.cpu() for n, t in fp8_latent(r).items()}
+    topk = select_topk_like(r)
+    sel = dt.physical_rows(topk.to(_DEV), c["block_table"], q_len, c["kv_cache"].shape[1]) if physical \
+        else topk.to(_DEV)
+
+    def run(ks):
+        return dt.sparse_mla_decode_latent(c["query"], f["kv8"], c["block_table"], sel, c["slot_mapping"], q_len,
+                                           c["L"], c["scale"], block_n=min(64, c["topk"] // 2), physical=physical,
+                                           kv_scale=ks).float().cpu()
+
+    T, H, _ = r["query"].shape
+    ref = torch.zeros(T, H, r["L"])
+    for t in range(T):
+        s = topk[t][topk[t] >= 0].long()
+        if int(r["slot_mapping"][t]) >= 0 and s.numel():
+            ctx = gather_latent(fr["kv8"], fr["ks"], r["block_table"], t // q_len, s, torch.bfloat16)
+            ref[t] = attend_latent(r["query"][t], ctx, r["L"], r["scale"])
+    got = run(f["ks"])
+    assert (got[r["slot_mapping"] < 0] == 0).all(), "padding tokens must be 0"
+    rel = float((got - ref).norm() / ref.norm())
+    mx = float((got - ref).abs().max())
+    assert rel <= 1e-2 and mx <= 2e-2, f"rel {rel:.2e} max {mx:.2e}"
+    mutant = run(torch.ones_like(f["ks"]))
+    assert float((mutant - ref).norm() / ref.norm()) > 0.1, "the check does not see ignored scales"

@@ -271,6 +271,68 @@ def test_insert_rows_triton_matches_reference(kind):
     assert not same_bits(ref, pool)  # something was written
 
 
+def _fp8_pools(c: dict) -> dict:
+    """The case's latent pool as FP8 e4m3 rows (``kv8_pool``) with per-token power-of-two scales
+    (``ks_pool``); unwritten rows stay NaN (NaN codes, NaN scales)."""
+    v, s = fp8_pow2_quantize(c["kv_pool"])  # [NB, 2, BS, W] FP8, [NB, 2, BS] FP32
+    return {**c, "kv8_pool": v, "ks_pool": s}
+
+
+def compare_fp8_latent(c: dict, device: str, mla_fn, sparse_fn) -> dict:
+    """The MLA and sparse-MLA functions on an FP8 latent cache (pool views) on ``device`` against
+    the references on CPU copies: outputs within ``OUT_REL``, caches (FP8 codes and scales) bit-identical.
+    The sparse decode selects each token's last ``topk`` positions, one live token none."""
+    c = _fp8_pools(c)
+    dead = c["slots"] < 0
+    d, r = _copy(c, device), _copy(c, "cpu")
+    a = (d["slots"], d["block_table"])
+    out = mla_fn(d["q"], d["latent"], d["kv_b"], d["kv8_pool"][:, 1], *a, d["seq_lens"], c["q_len"], c["scale"],
+                 c["sz"].nope, kv_scale=d["ks_pool"][:, 1])
+    ref = mla_decode_ref(r["q"], r["latent"], r["kv_b"], r["kv8_pool"][:, 1], r["slots"], r["block_table"],
+                         r["seq_lens"], c["q_len"], c["scale"], c["sz"].nope, kv_scale=r["ks_pool"][:, 1])
+    errs = {"mla": _check_out(out, ref, dead)}
+    assert same_bits(d["kv8_pool"], r["kv8_pool"]) and same_bits(d["ks_pool"], r["ks_pool"])
+    K = c["sz"].topk
+    picked = torch.full((len(c["pos"]), K), -1, dtype=torch.int32)
+    for t, p in enumerate(c["pos"].tolist()):
+        n = min(p + 1, K)
+        picked[t, :n] = torch.arange(p + 1 - n, p + 1, dtype=torch.int32)
+    picked[0] = -1
+    dead = dead.clone()
+    dead[0] = True
+    for t in (d, r):  # fresh caches: the sparse decode inserts again
+        t["kv8_pool"], t["ks_pool"] = (c[n].to(t["kv8_pool"].device, copy=True) for n in ("kv8_pool", "ks_pool"))
+    out = sparse_fn(d["q"], d["latent"], d["kv_b"], d["kv8_pool"][:, 1], *a, picked.to(device), c["q_len"],
+                    c["scale"], c["sz"].nope, kv_scale=d["ks_pool"][:, 1])
+    ref = sparse_mla_decode_ref(r["q"], r["latent"], r["kv_b"], r["kv8_pool"][:, 1], r["slots"], r["block_table"],
+                                picked, c["q_len"], c["scale"], c["sz"].nope, kv_scale=r["ks_pool"][:, 1])
+    errs["sparse"] = _check_out(out, ref, dead)
+    assert same_bits(d["kv8_pool"], r["kv8_pool"]) and same_bits(d["ks_pool"], r["ks_pool"])
+    return errs
+
+
+@pytest.mark.parametrize("q_len", [1, 2])
+def test_batched_fp8_latent_cache_matches_references_cpu(q_len, chunking):
+    """The FP8 latent cache (e4m3 rows, per-token power-of-two scales) on the batched path."""
+    c = make_case(SMALL, [max(3, q_len), 14, 20, 32, 9], q_len, seed=120 + q_len)
+    compare_fp8_latent(c, "cpu", mla_decode_batched, sparse_mla_decode_batched)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("q_len", [1, 2])
+def test_stock_fp8_ops_cuda_full_size_match_references(q_len):
+    """The FP8-latent stock ops at full K3.1 size on the GPU (not yet run on the H200)."""
+    c = make_case(FULL, [3001, 1203, 2950, 700], q_len, seed=220 + q_len)
+
+    def mla(q, latent, kv_b, kv, slots, bt, seq, ql, scale, nope, kv_scale):
+        return ops.mla_decode_fp8(q, latent, kv_b, kv, kv_scale, slots, bt, seq, ql, scale, nope)
+
+    def sparse(q, latent, kv_b, kv, slots, bt, sel, ql, scale, nope, kv_scale):
+        return ops.sparse_mla_decode_fp8(q, latent, kv_b, kv, kv_scale, slots, bt, sel, ql, scale, nope)
+
+    print(compare_fp8_latent(c, "cuda", mla, sparse))
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("q_len", [1, 2, 4])
 def test_stock_ops_cuda_full_size_match_references(q_len):

@@ -1,4 +1,9 @@
-"""The rewritten DSA layer: one packed [q_a | kv_a | gate | wk | wv] projection -> PreparedDsa core -> o_proj."""
+"""The rewritten DSA layer: one packed [q_a | kv_a | gate | wk | wv] projection -> PreparedDsa core -> o_proj.
+
+Two ops: ``kimi_dep::dsa_attention`` (BF16 latent cache) and ``kimi_dep::dsa_attention_fp8`` (FP8 e4m3
+latent cache with one power-of-two scale per token in ``kv_scale [NB, BS]``, docs/fp8_latent_cache.md);
+``PreparedDsa.latent_cache`` carries the format the pass matched.
+"""
 
 from __future__ import annotations
 
@@ -38,6 +43,7 @@ class PreparedDsa:
     projection: DepProjection
     o_proj: DepProjection
     sparse_mla: str = "auto"  # the sparse-MLA kernel: "auto" | "triton" | "flashinfer" (ops.sparse_mla)
+    latent_cache: str = "bfloat16"  # the latent cache format: "bfloat16" | "float8_e4m3fn" (with kv_scale)
 
     @property
     def split_sizes(self) -> list[int]:
@@ -55,7 +61,7 @@ class PreparedDsa:
 
     def core_torch(self, q_a, kv_a, gate, k_idx, w_idx, q_a_norm_w, kv_a_norm_w, q_b_w, kv_b_w, wq_b_w, k_norm_w,
                    k_norm_b, kv_cache, index_cache, index_scale, slot_mapping, block_table, seq_lens,
-                   q_len: int) -> Tensor:
+                   q_len: int, kv_scale: Tensor | None = None) -> Tensor:
         """Everything between the two projections, as stock computes it: [T, H*v] BF16 (gated).
 
         The stock ops themselves (the readable references on CPU, their batched torch code on CUDA).
@@ -65,13 +71,17 @@ class PreparedDsa:
                              self.k_norm_eps).to(k_idx.dtype)
         topk = stock_ops.dsa_indexer(q_idx, w_idx, k_idx, index_cache, index_scale, slot_mapping, block_table,
                                      seq_lens, q_len, self.topk)
-        o = stock_ops.sparse_mla_decode(q, latent, kv_b_w, kv_cache, slot_mapping, block_table, topk, q_len,
-                                        self.scale, self.nope)
+        if kv_scale is None:
+            o = stock_ops.sparse_mla_decode(q, latent, kv_b_w, kv_cache, slot_mapping, block_table, topk, q_len,
+                                            self.scale, self.nope)
+        else:
+            o = stock_ops.sparse_mla_decode_fp8(q, latent, kv_b_w, kv_cache, kv_scale, slot_mapping, block_table,
+                                                topk, q_len, self.scale, self.nope)
         return (o.float() * torch.sigmoid(gate.float())).to(o.dtype)
 
     def core_triton(self, q_a, kv_a, gate, k_idx, w_idx, q_a_norm_w, kv_a_norm_w, q_b_w, kv_b_w, wq_b_w, k_norm_w,
                     k_norm_b, kv_cache, index_cache, index_scale, slot_mapping, block_table, seq_lens,
-                    q_len: int) -> Tensor:
+                    q_len: int, kv_scale: Tensor | None = None) -> Tensor:
         """The same on the Triton kernels (``dsa_triton``): [T, H*v] BF16 (gated).
 
         main: q_a norm -+-> key insert -+-> q_b GEMM -> latent insert -> W_UK absorb ---> sparse MLA -> W_UV + gate
@@ -82,6 +92,8 @@ class PreparedDsa:
         the streams (graph-capturable: fork from and join to the capturing stream); tensors
         crossing streams are recorded on the stream that reads them. The sparse MLA is a
         split-KV kernel over the selected latents, or FlashInfer's where it runs (ops.sparse_mla).
+        An FP8 latent cache (``kv_scale`` given) is quantized by the latent insert and dequantized
+        in the sparse MLA's loads (checked in Triton's interpreter only, not yet run on the H200).
         """
         from .dsa_triton import (absorb_query, index_key_insert, index_logits, latent_insert, physical_rows,
                                  select_rows, sparse_mla_decode_latent, uv_gate)
@@ -109,7 +121,7 @@ class PreparedDsa:
         for t in (q_a, w_idx):
             t.record_stream(side)
         q = F.linear(q_a, q_b_w).view(T, self.heads, self.nope + self.rope)
-        latent_insert(kv_a, kv_a_norm_w, self.kv_a_eps, kv_cache, slot_mapping)
+        latent_insert(kv_a, kv_a_norm_w, self.kv_a_eps, kv_cache, slot_mapping, kv_scale=kv_scale)
         w_uk, w_uv = split_kv_b(kv_b_w, self.heads, self.nope)  # [H, nope, L], [H, v, L]
         query = absorb_query(q, w_uk)  # [T, H, L+R] BF16
         main.wait_event(selected)
@@ -121,10 +133,11 @@ class PreparedDsa:
                                           scale=self.scale)
         else:
             o_lat = sparse_mla_decode_latent(query, kv_cache, block_table, topk, slot_mapping, q_len, self.kv_lora,
-                                             self.scale, block_n=min(64, self.topk), physical=physical)
+                                             self.scale, block_n=min(64, self.topk), physical=physical,
+                                             kv_scale=kv_scale)
         return uv_gate(o_lat, w_uv, gate)  # o_lat: [T, H, L] BF16
 
-    def runs_triton(self, kv_cache: Tensor, index_cache: Tensor) -> bool:
+    def runs_triton(self, kv_cache: Tensor, index_cache: Tensor, kv_scale: Tensor | None = None) -> bool:
         """Whether this step runs the Triton kernels: on CUDA, unless a shape they do not support
         (then the stock ops' torch code runs, and the reason is logged once per process)."""
         if not kv_cache.is_cuda:
@@ -133,18 +146,31 @@ class PreparedDsa:
 
         why = dsa_triton_unsupported(kv_cache, index_cache, index_heads=self.index_heads, index_dim=self.index_dim,
                                      kv_lora=self.kv_lora, nope=self.nope, v_dim=self.gate_width // self.heads,
-                                     topk=self.topk, block_n=min(64, self.topk))
+                                     topk=self.topk, block_n=min(64, self.topk), kv_scale=kv_scale)
         if why is not None:
             log_fallback("DSA", why, "the stock ops' torch code")
         return why is None
 
+    def check_latent_cache(self, kv_cache: Tensor, kv_scale: Tensor | None) -> None:
+        """The latent cache is in the format this layer was prepared for (a clear error otherwise)."""
+        fp8 = self.latent_cache == "float8_e4m3fn"
+        ok = (kv_scale is not None and kv_cache.dtype == torch.float8_e4m3fn and kv_scale.dtype == torch.float32
+              and tuple(kv_scale.shape) == tuple(kv_cache.shape[:2])) if fp8 else (
+              kv_scale is None and kv_cache.dtype == torch.bfloat16)
+        if not ok:
+            raise ValueError(f"kimi_dep DSA layer prepared for a {self.latent_cache} latent cache got {kv_cache.dtype} "
+                             f"{list(kv_cache.shape)} with kv_scale "
+                             f"{None if kv_scale is None else (kv_scale.dtype, list(kv_scale.shape))}")
+
     def forward(self, x, proj_ws, q_a_norm_w, kv_a_norm_w, q_b_w, kv_b_w, wq_b_w, k_norm_w, k_norm_b, o_proj_w,
-                kv_cache, index_cache, index_scale, slot_mapping, block_table, seq_lens, q_len: int) -> Tensor:
+                kv_cache, index_cache, index_scale, slot_mapping, block_table, seq_lens, q_len: int,
+                kv_scale: Tensor | None = None) -> Tensor:
+        self.check_latent_cache(kv_cache, kv_scale)
         packed = packed_rows(proj_ws, "DSA projection")  # [q_a | kv_a | gate | wk | wv] rows
         parts = self.projection(x, packed).split(self.split_sizes, -1)  # q_a, kv_a, gate, k_idx, w_idx
-        core = self.core_triton if self.runs_triton(kv_cache, index_cache) else self.core_torch
+        core = self.core_triton if self.runs_triton(kv_cache, index_cache, kv_scale) else self.core_torch
         o = core(*parts, q_a_norm_w, kv_a_norm_w, q_b_w, kv_b_w, wq_b_w, k_norm_w, k_norm_b, kv_cache, index_cache,
-                 index_scale, slot_mapping, block_table, seq_lens, q_len)
+                 index_scale, slot_mapping, block_table, seq_lens, q_len, kv_scale)
         return self.o_proj(o, o_proj_w)
 
 
@@ -168,5 +194,26 @@ def dsa_attention(
 
 @dsa_attention.register_fake
 def _(x, proj_ws, q_a_norm_w, kv_a_norm_w, q_b_w, kv_b_w, wq_b_w, k_norm_w, k_norm_b, o_proj_w, kv_cache,
+      index_cache, index_scale, slot_mapping, block_table, seq_lens, q_len, layer):
+    return x.new_empty(x.shape[0], o_proj_w.shape[0])
+
+
+@torch.library.custom_op("kimi_dep::dsa_attention_fp8",
+                         mutates_args=("kv_cache", "kv_scale", "index_cache", "index_scale"))
+def dsa_attention_fp8(
+    x: Tensor, proj_ws: list[Tensor], q_a_norm_w: Tensor, kv_a_norm_w: Tensor, q_b_w: Tensor, kv_b_w: Tensor,
+    wq_b_w: Tensor, k_norm_w: Tensor, k_norm_b: Tensor, o_proj_w: Tensor, kv_cache: Tensor, kv_scale: Tensor,
+    index_cache: Tensor, index_scale: Tensor, slot_mapping: Tensor, block_table: Tensor, seq_lens: Tensor,
+    q_len: int, layer: str,
+) -> Tensor:
+    """``dsa_attention`` on an FP8 e4m3 latent cache ``kv_cache [NB, BS, L+R]`` with per-token
+    power-of-two scales ``kv_scale [NB, BS]`` FP32; mutates the four caches."""
+    return lookup(layer).forward(x, proj_ws, q_a_norm_w, kv_a_norm_w, q_b_w, kv_b_w, wq_b_w, k_norm_w, k_norm_b,
+                                 o_proj_w, kv_cache, index_cache, index_scale, slot_mapping, block_table, seq_lens,
+                                 q_len, kv_scale)
+
+
+@dsa_attention_fp8.register_fake
+def _(x, proj_ws, q_a_norm_w, kv_a_norm_w, q_b_w, kv_b_w, wq_b_w, k_norm_w, k_norm_b, o_proj_w, kv_cache, kv_scale,
       index_cache, index_scale, slot_mapping, block_table, seq_lens, q_len, layer):
     return x.new_empty(x.shape[0], o_proj_w.shape[0])

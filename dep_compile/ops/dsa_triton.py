@@ -27,6 +27,12 @@ capturable):
 * :func:`uv_gate`: W_UV (latent -> 128 per head) and ``* sigmoid(gate)`` in one launch, the
   input of o_proj.
 
+An FP8 latent cache (e4m3 rows, one power-of-two FP32 scale per token in ``kv_scale [NB, BS]``,
+docs/fp8_latent_cache.md): :func:`latent_insert` quantizes the row it writes (the scale from the
+BF16 row's amax, as ``fp8_pow2_quantize``) and :func:`sparse_mla_decode_latent` loads FP8 rows
+and their scales and dequantizes them to BF16 (exact) before the dots. Checked in Triton's
+interpreter only, not yet run on the H200.
+
 Numerics follow ``dep_compile.stock.reference.dsa``: the power-of-two scales are computed from
 the float bits (the smallest power of two >= amax / 448, exact), FP8 products are exact and
 accumulate in FP32 (a different order than the reference: logits move by FP32 ulps, which can
@@ -350,12 +356,13 @@ def select_rows(logits: torch.Tensor, topk: int, block_table: torch.Tensor, q_le
 
 
 @triton.jit
-def _sparse_mla_kernel(q_ptr, kv_ptr, bt_ptr, idx_ptr, slot_ptr, o_ptr, m_ptr, l_ptr,
+def _sparse_mla_kernel(q_ptr, kv_ptr, bt_ptr, idx_ptr, slot_ptr, o_ptr, m_ptr, l_ptr, ks_ptr,
                        stride_q_t, stride_q_h, stride_kv_blk, stride_kv_off, stride_bt, stride_idx,
-                       stride_o_t, stride_o_s, stride_o_h, stride_ml_t, stride_ml_s, scale,
+                       stride_o_t, stride_o_s, stride_o_h, stride_ml_t, stride_ml_s, stride_ks_blk, stride_ks_off,
+                       scale,
                        Q_LEN: tl.constexpr, H: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BS: tl.constexpr,
                        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, PHYS: tl.constexpr,
-                       DIRECT: tl.constexpr, F32: tl.constexpr):
+                       DIRECT: tl.constexpr, F32: tl.constexpr, FP8: tl.constexpr):
     t = tl.program_id(0)
     hb = tl.program_id(1)
     s = tl.program_id(2)
@@ -384,6 +391,11 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, bt_ptr, idx_ptr, slot_ptr, o_ptr, m_ptr, l
         rows = kv_ptr + blk * stride_kv_blk + (pos_c % BS).to(tl.int64) * stride_kv_off
         k_lat = tl.load(rows[:, None] + dl[None, :], mask=ok[:, None], other=0.0)  # [BLOCK_N, L]
         k_rope = tl.load(rows[:, None] + L + dr[None, :], mask=ok[:, None], other=0.0)  # [BLOCK_N, R]
+        if FP8:  # e4m3 rows times their power-of-two scale: exact in BF16
+            k_s = tl.load(ks_ptr + blk * stride_ks_blk + (pos_c % BS).to(tl.int64) * stride_ks_off, mask=ok,
+                          other=0.0)  # [BLOCK_N] FP32
+            k_lat = (k_lat.to(tl.float32) * k_s[:, None]).to(tl.bfloat16)
+            k_rope = (k_rope.to(tl.float32) * k_s[:, None]).to(tl.bfloat16)
         sc = _mm(q_lat, tl.trans(k_lat), F32) + _mm(q_rope, tl.trans(k_rope), F32)  # [BLOCK_H, BLOCK_N]
         sc = tl.where(ok[None, :], sc * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(sc, axis=1))
@@ -452,14 +464,15 @@ def sparse_mla_decode_latent(query: torch.Tensor, kv_cache: torch.Tensor, block_
                              topk_indices: torch.Tensor, slot_mapping: torch.Tensor, q_len: int, kv_lora: int,
                              scale: float, *, block_h: int | None = None, block_n: int = 64,
                              splits: int | None = None, physical: bool = False, num_warps: int | None = None,
-                             num_stages: int | None = None) -> torch.Tensor:
+                             num_stages: int | None = None, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Absorbed sparse MLA decode: softmax(query . ctx * scale) @ ctx[:, :kv_lora] per head: [T, H, L] BF16.
 
     query: [T, H, L+R] BF16 (absorbed q_nope | q_rope; unit inner stride); kv_cache:
     [NB, BS, L+R] BF16 (unit inner stride); block_table: [B, MB]; topk_indices: [T, K] int32
     positions in the request (-1 = none; K a multiple of ``block_n``), or with ``physical``
     cache rows ``block * BS + offset`` (block_table unused); slot_mapping: [T]
-    (-1 = padding token: output 0). A token with no selected entry gets 0.
+    (-1 = padding token: output 0). A token with no selected entry gets 0. ``kv_scale [NB, BS]``
+    FP32: the cache is FP8 e4m3, each row times its scale (interpreter-checked only).
     """
     T, H, LR = query.shape
     L, R = kv_lora, LR - kv_lora
@@ -488,13 +501,16 @@ def sparse_mla_decode_latent(query: torch.Tensor, kv_cache: torch.Tensor, block_
         o_part = torch.empty(T, n_split, H, L, dtype=torch.float32, device=query.device)
         m_part = torch.empty(T, n_split, H, dtype=torch.float32, device=query.device)
         l_part = torch.empty_like(m_part)
+    ks = kv_scale if kv_scale is not None else m_part  # unused without FP8
+    ks_strides = kv_scale.stride() if kv_scale is not None else (0, 0)
     _sparse_mla_kernel[(T, head_tiles, n_split)](
-        query, kv_cache, block_table, topk_indices, slot_mapping, o_part, m_part, l_part,
+        query, kv_cache, block_table, topk_indices, slot_mapping, o_part, m_part, l_part, ks,
         query.stride(0), query.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
         topk_indices.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2), m_part.stride(0),
-        m_part.stride(1), float(scale),
+        m_part.stride(1), *ks_strides, float(scale),
         Q_LEN=int(q_len), H=H, L=L, R=R, BS=kv_cache.shape[1], BLOCK_H=block_h, BLOCK_N=block_n, CHUNK=chunk,
-        PHYS=bool(physical), DIRECT=direct, F32=_INTERPRET, num_warps=num_warps, num_stages=num_stages)
+        PHYS=bool(physical), DIRECT=direct, F32=_INTERPRET, FP8=kv_scale is not None, num_warps=num_warps,
+        num_stages=num_stages)
     if direct:
         return out
     _combine_kernel[(T, H)](
@@ -557,8 +573,9 @@ def absorb_query(q: torch.Tensor, w_uk: torch.Tensor, *, block_t: int | None = N
 
 
 @triton.jit
-def _latent_insert_kernel(kv_ptr, w_ptr, slot_ptr, cache_ptr, stride_kv, stride_c_blk, stride_c_off, eps,
-                          BS: tl.constexpr, L: tl.constexpr, R: tl.constexpr):
+def _latent_insert_kernel(kv_ptr, w_ptr, slot_ptr, cache_ptr, scale_ptr, stride_kv, stride_c_blk, stride_c_off,
+                          stride_s_blk, stride_s_off, eps, BS: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
+                          FP8: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
@@ -568,22 +585,35 @@ def _latent_insert_kernel(kv_ptr, w_ptr, slot_ptr, cache_ptr, stride_kv, stride_
         c = tl.load(row + dl).to(tl.float32)
         y = c * tl.rsqrt(tl.sum(c * c, axis=0) / L + eps) * tl.load(w_ptr + dl).to(tl.float32)
         dst = cache_ptr + (slot // BS) * stride_c_blk + (slot % BS) * stride_c_off
-        tl.store(dst + dl, y.to(cache_ptr.dtype.element_ty))
-        tl.store(dst + L + dr, tl.load(row + L + dr))
+        if FP8:  # the BF16 row quantized: e4m3 values and one power-of-two scale (fp8_pow2_quantize)
+            yb = y.to(tl.bfloat16).to(tl.float32)
+            rope = tl.load(row + L + dr).to(tl.float32)
+            s = _pow2_scale(tl.maximum(tl.max(tl.abs(yb), axis=0), tl.max(tl.abs(rope), axis=0)))
+            tl.store(dst + dl, tl.minimum(tl.maximum(yb / s, -448.0), 448.0).to(cache_ptr.dtype.element_ty))
+            tl.store(dst + L + dr, tl.minimum(tl.maximum(rope / s, -448.0), 448.0).to(cache_ptr.dtype.element_ty))
+            tl.store(scale_ptr + (slot // BS) * stride_s_blk + (slot % BS) * stride_s_off, s)
+        else:
+            tl.store(dst + dl, y.to(cache_ptr.dtype.element_ty))
+            tl.store(dst + L + dr, tl.load(row + L + dr))
 
 
 def latent_insert(kv_a: torch.Tensor, norm_w: torch.Tensor, eps: float, kv_cache: torch.Tensor,
-                  slot_mapping: torch.Tensor) -> None:
+                  slot_mapping: torch.Tensor, *, kv_scale: torch.Tensor | None = None) -> None:
     """The latent entry ``[RMSNorm(c_kv) | k_rope]`` of each token written into the paged cache, one launch.
 
     kv_a: [T, L+R] BF16 (unit inner stride); norm_w: [L]; kv_cache: [NB, BS, L+R] BF16;
     slot_mapping: [T] (-1 = padding, nothing written). The norm is FP32, rounded once to BF16.
+    ``kv_scale [NB, BS]`` FP32: the cache is FP8 e4m3 and the BF16 row is stored quantized with its
+    power-of-two scale (interpreter-checked only).
     """
     T, LR = kv_a.shape
     L = norm_w.shape[0]
+    ks = kv_scale if kv_scale is not None else kv_cache  # unused without FP8
+    ks_strides = kv_scale.stride() if kv_scale is not None else (0, 0)
     if T:
-        _latent_insert_kernel[(T,)](kv_a, norm_w, slot_mapping, kv_cache, kv_a.stride(0), kv_cache.stride(0),
-                                    kv_cache.stride(1), float(eps), BS=kv_cache.shape[1], L=L, R=LR - L, num_warps=4)
+        _latent_insert_kernel[(T,)](kv_a, norm_w, slot_mapping, kv_cache, ks, kv_a.stride(0), kv_cache.stride(0),
+                                    kv_cache.stride(1), *ks_strides, float(eps), BS=kv_cache.shape[1], L=L, R=LR - L,
+                                    FP8=kv_scale is not None, num_warps=4)
 
 
 @triton.jit
@@ -637,7 +667,8 @@ def _pow2(n: int) -> bool:
 
 
 def dsa_triton_unsupported(kv_cache: torch.Tensor, index_cache: torch.Tensor, *, index_heads: int, index_dim: int,
-                           kv_lora: int, nope: int, v_dim: int, topk: int, block_n: int = 64) -> str | None:
+                           kv_lora: int, nope: int, v_dim: int, topk: int, block_n: int = 64,
+                           kv_scale: torch.Tensor | None = None) -> str | None:
     """Why these kernels cannot run a DSA step (None: they can). Shapes and strides only, no sync."""
     if not kv_cache.is_cuda and not _INTERPRET:
         return "not on CUDA"
@@ -649,8 +680,11 @@ def dsa_triton_unsupported(kv_cache: torch.Tensor, index_cache: torch.Tensor, *,
         return f"top-k {topk}: the sparse MLA step min(64, top-k) = {block_n} is not a power of two >= 16"
     if topk % block_n:
         return f"topk {topk} not a multiple of {block_n}"
-    if kv_cache.dtype != torch.bfloat16 or kv_cache.stride(-1) != 1:
+    if kv_scale is None and (kv_cache.dtype != torch.bfloat16 or kv_cache.stride(-1) != 1):
         return "latent cache not BF16 with unit inner stride"
+    if kv_scale is not None and (kv_cache.dtype != torch.float8_e4m3fn or kv_cache.stride(-1) != 1
+                                 or kv_scale.dtype != torch.float32 or kv_scale.shape != kv_cache.shape[:2]):
+        return "FP8 latent cache not e4m3 with unit inner stride and FP32 [NB, BS] scales"
     if kv_cache.shape[0] * kv_cache.shape[1] >= 2 ** 31:
         return "latent cache has more rows than int32 row indices address"
     if index_cache.shape[1] != kv_cache.shape[1]:

@@ -15,6 +15,9 @@ allocates FlashInfer's workspace then, outside any CUDA graph or graph memory po
 rebuilt from its layer string in a process where no pass ran (a compile-cache hit) chooses and
 allocates on its first step instead.
 
+An FP8 latent cache (per-token scales, docs/fp8_latent_cache.md) always runs the Triton kernel:
+FlashInfer's FP8 MLA cache is scaled per tensor.
+
 The FlashInfer path has not run on hardware here (no SM 10.x GPU, no FlashInfer on the H200
 image); its argument handling is tested on CPU against a stand-in implementing the documented
 contract (tests/test_sparse_mla_seam.py).
@@ -65,6 +68,9 @@ def flashinfer_unsupported(kv_cache: Tensor, *, heads: int, kv_lora: int, nope: 
         return f"latent {kv_lora} + rope {rope}, q_nope {nope}: the kernel takes 512 + 64 and q_nope 128 or 192"
     if heads > FLASHINFER_HEADS:
         return f"{heads} heads: more than the kernel's {FLASHINFER_HEADS}"
+    if kv_cache.dtype == torch.float8_e4m3fn:  # PreparedDsa.latent_cache == "float8_e4m3fn"
+        return ("FP8 latent cache with per-token scales: the kernel's FP8 cache takes one per-tensor scale "
+                "(bmm1_scale / bmm2_scale)")
     if kv_cache.dtype != torch.bfloat16 or not kv_cache.is_contiguous():
         return "latent cache not a contiguous BF16 [pages, page, 576] tensor"
     if kv_cache.shape[1] not in (32, 64):

@@ -72,6 +72,11 @@ class KimiMLAAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: StepMeta, cache: LayerCache) -> torch.Tensor:
         _, q, latent, gate = self.project(x)
+        if cache.kv_scale is not None:  # FP8 latent cache with per-token scales
+            o = torch.ops.kimi_k3.mla_decode_fp8(
+                q, latent, self.kv_b_proj.weight, cache.kv_cache, cache.kv_scale, meta.slot_mapping,
+                meta.block_table, meta.seq_lens, meta.q_len, self.scale, self.nope)
+            return self.finish(o, gate)
         o = torch.ops.kimi_k3.mla_decode(
             q, latent, self.kv_b_proj.weight, cache.kv_cache, meta.slot_mapping, meta.block_table,
             meta.seq_lens, meta.q_len, self.scale, self.nope)
@@ -120,6 +125,11 @@ class KimiDSAAttention(KimiMLAAttention):
         topk = torch.ops.kimi_k3.dsa_indexer(
             q_idx, w_idx, k_idx, cache.index_cache, cache.index_scale, meta.slot_mapping,
             meta.block_table, meta.seq_lens, meta.q_len, idx.topk)
+        if cache.kv_scale is not None:  # FP8 latent cache with per-token scales
+            o = torch.ops.kimi_k3.sparse_mla_decode_fp8(
+                q, latent, self.kv_b_proj.weight, cache.kv_cache, cache.kv_scale, meta.slot_mapping,
+                meta.block_table, topk, meta.q_len, self.scale, self.nope)
+            return self.finish(o, gate)
         o = torch.ops.kimi_k3.sparse_mla_decode(
             q, latent, self.kv_b_proj.weight, cache.kv_cache, meta.slot_mapping, meta.block_table,
             topk, meta.q_len, self.scale, self.nope)

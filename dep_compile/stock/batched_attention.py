@@ -19,6 +19,8 @@ competent engineer would without custom kernels (what the stock baseline must be
   unwritten cache rows never enter a product, not even multiplied by 0; the attention
   probabilities are rounded to BF16 for the value product (as FlashAttention-style kernels do),
   one rounding more than the references, within BF16 tolerance of them;
+* an FP8 latent cache (e4m3 rows, one power-of-two scale per token in ``kv_scale [NB, BS]``) is
+  quantized on insert and its gathered rows dequantized to BF16 (exact) before the products;
 * requests (or tokens) are processed in static Python chunks of about ``CHUNK_BYTES`` of
   temporaries, so a step of 64 requests x 4 tokens x 32K context stays near 1 GiB.
 
@@ -70,6 +72,33 @@ def _gather_rows(cache: torch.Tensor, block_table: torch.Tensor, positions: torc
     return cache[blocks, positions % bs]
 
 
+def _gather_latent(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None, block_table: torch.Tensor,
+                   positions: torch.Tensor) -> torch.Tensor:
+    """Latent rows [n, C, W] at ``positions [n, C]``: as stored (BF16), or FP8 rows (gathered as bytes)
+    times their per-token scales, in BF16 (exact: an e4m3 value times a power of two)."""
+    if kv_scale is None:
+        return _gather_rows(kv_cache, block_table, positions)
+    rows = _gather_rows(kv_cache.view(torch.uint8), block_table, positions).view(FP8)  # [n, C, W]
+    scale = _gather_rows(kv_scale, block_table, positions).unsqueeze(-1)  # [n, C, 1]
+    return (rows.float() * scale).to(torch.bfloat16)
+
+
+def _row_bytes(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> int:
+    """Bytes of temporaries per gathered latent element: the row itself, or FP8 + FP32 + BF16 dequantized."""
+    return kv_cache.element_size() if kv_scale is None else 7
+
+
+def _insert_latent(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None, slot_mapping: torch.Tensor,
+                   latent: torch.Tensor) -> None:
+    """The latent insert: rows as they are, or FP8 values and their power-of-two scales (``kv_scale``)."""
+    if kv_scale is None:
+        insert_rows_paged(kv_cache, slot_mapping, latent)
+        return
+    values, scale = _quantize_keys(latent)  # [T, W] FP8, [T] FP32
+    insert_rows_paged(kv_cache, slot_mapping, values)
+    insert_rows_paged(kv_scale.unsqueeze(-1), slot_mapping, scale.unsqueeze(-1))
+
+
 def _inductor_on_cuda(fn):
     """``fn`` compiled by Inductor (``dynamic=False``: one graph per shape) for CUDA tensors, as written elsewhere."""
     compiled = torch.compile(fn, dynamic=False, fullgraph=True)
@@ -117,7 +146,7 @@ def _attend(query: torch.Tensor, ctx: torch.Tensor, invalid: torch.Tensor, kv_lo
 
 @_inductor_on_cuda
 def _mla_core(q, kv_b_weight, kv_cache, slot_mapping, block_table, seq_lens, q_len: int, scale: float,
-              nope: int) -> torch.Tensor:
+              nope: int, kv_scale=None) -> torch.Tensor:
     """mla_decode_batched after the insert: [T, H*v]."""
     T, H, _ = q.shape
     L = kv_b_weight.shape[-1]
@@ -129,8 +158,9 @@ def _mla_core(q, kv_b_weight, kv_cache, slot_mapping, block_table, seq_lens, q_l
     pos = token_positions(seq_lens, q_len).view(B, q_len, 1)
     j = torch.arange(C, device=q.device)
     parts = []
-    for b0, b1 in _chunks(B, q_len * H * C * 10 + C * W * kv_cache.element_size()):
-        ctx = _gather_rows(kv_cache, block_table[b0:b1], _context_positions(C, seq_lens[b0:b1]))  # [nb, C, W]
+    for b0, b1 in _chunks(B, q_len * H * C * 10 + C * W * _row_bytes(kv_cache, kv_scale)):
+        positions = _context_positions(C, seq_lens[b0:b1])
+        ctx = _gather_latent(kv_cache, kv_scale, block_table[b0:b1], positions)  # [nb, C, W]
         invalid = j > pos[b0:b1]  # [nb, q_len, C]
         parts.append(_attend(query[b0 * q_len:b1 * q_len].reshape(b1 - b0, q_len * H, W), ctx, invalid, L, scale))
     o_lat = _cat(parts).reshape(T, H, L)
@@ -140,16 +170,16 @@ def _mla_core(q, kv_b_weight, kv_cache, slot_mapping, block_table, seq_lens, q_l
 def mla_decode_batched(
     q: torch.Tensor, latent: torch.Tensor, kv_b_weight: torch.Tensor, kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-    q_len: int, scale: float, nope: int,
+    q_len: int, scale: float, nope: int, kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Absorbed MLA decode over each request's whole block table, causally masked; [T, H*v] (see mla_decode_ref)."""
-    insert_rows_paged(kv_cache, slot_mapping, latent)
-    return _mla_core(q, kv_b_weight, kv_cache, slot_mapping, block_table, seq_lens, q_len, scale, nope)
+    _insert_latent(kv_cache, kv_scale, slot_mapping, latent)
+    return _mla_core(q, kv_b_weight, kv_cache, slot_mapping, block_table, seq_lens, q_len, scale, nope, kv_scale)
 
 
 @_inductor_on_cuda
 def _sparse_core(q, kv_b_weight, kv_cache, slot_mapping, block_table, topk_indices, q_len: int, scale: float,
-                 nope: int) -> torch.Tensor:
+                 nope: int, kv_scale=None) -> torch.Tensor:
     """sparse_mla_decode_batched after the insert: [T, H*v]."""
     T, H, _ = q.shape
     L = kv_b_weight.shape[-1]
@@ -159,9 +189,10 @@ def _sparse_core(q, kv_b_weight, kv_cache, slot_mapping, block_table, topk_indic
     W = query.shape[-1]
     tables = block_table.repeat_interleave(q_len, 0)  # [T, MB]
     parts = []
-    for t0, t1 in _chunks(T, H * K * 10 + K * W * kv_cache.element_size()):
+    for t0, t1 in _chunks(T, H * K * 10 + K * W * _row_bytes(kv_cache, kv_scale)):
         sel = topk_indices[t0:t1].long()  # [n, K]
-        ctx = _gather_rows(kv_cache, tables[t0:t1], sel.clamp_min(0))  # [n, K, W]; -1 reads position 0, masked
+        # [n, K, W]; -1 reads position 0, masked
+        ctx = _gather_latent(kv_cache, kv_scale, tables[t0:t1], sel.clamp_min(0))
         parts.append(_attend(query[t0:t1], ctx, (sel < 0).unsqueeze(1), L, scale))
     o_lat = _cat(parts)  # [T, H, L]
     live = (slot_mapping >= 0) & (topk_indices >= 0).any(-1)
@@ -171,11 +202,12 @@ def _sparse_core(q, kv_b_weight, kv_cache, slot_mapping, block_table, topk_indic
 def sparse_mla_decode_batched(
     q: torch.Tensor, latent: torch.Tensor, kv_b_weight: torch.Tensor, kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor, block_table: torch.Tensor, topk_indices: torch.Tensor,
-    q_len: int, scale: float, nope: int,
+    q_len: int, scale: float, nope: int, kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Absorbed MLA decode over each token's selected positions ``topk_indices [T, K]`` (-1 = none); [T, H*v]."""
-    insert_rows_paged(kv_cache, slot_mapping, latent)
-    return _sparse_core(q, kv_b_weight, kv_cache, slot_mapping, block_table, topk_indices, q_len, scale, nope)
+    _insert_latent(kv_cache, kv_scale, slot_mapping, latent)
+    return _sparse_core(q, kv_b_weight, kv_cache, slot_mapping, block_table, topk_indices, q_len, scale, nope,
+                        kv_scale)
 
 
 def _index_logits(
@@ -229,7 +261,7 @@ def _indexer_core(q_idx, weights, index_cache, index_scale, slot_mapping, block_
 
 @_inductor_on_cuda
 def _quantize_keys(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The index keys' FP8 values [T, Di] and power-of-two scales [T] (one fused launch on CUDA)."""
+    """Rows [T, W] (index keys, FP8 latents) as FP8 values and power-of-two scales [T] (one fused launch on CUDA)."""
     return fp8_pow2_quantize(k)
 
 

@@ -7,6 +7,7 @@ import dataclasses
 import torch
 
 from .config import K3Config
+from .reference.common import fp8_pow2_quantize
 
 FP8 = torch.float8_e4m3fn
 
@@ -17,9 +18,10 @@ class LayerCache:
 
     conv_state: torch.Tensor | None = None  # KDA: [S, W-1, 3*H*D] BF16
     recurrent_state: torch.Tensor | None = None  # KDA: [S, H, D(v), D(k)] FP32
-    kv_cache: torch.Tensor | None = None  # MLA/DSA: [NB, BS, kv_lora + rope] BF16
+    kv_cache: torch.Tensor | None = None  # MLA/DSA: [NB, BS, kv_lora + rope] BF16, or FP8 e4m3 (config.latent_fp8)
     index_cache: torch.Tensor | None = None  # DSA: [NB, BS, Di] FP8 e4m3
     index_scale: torch.Tensor | None = None  # DSA: [NB, BS] FP32 (power-of-two scales)
+    kv_scale: torch.Tensor | None = None  # MLA/DSA with an FP8 latent cache: [NB, BS] FP32 (power-of-two scales)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
@@ -41,6 +43,8 @@ class KimiCache:
     ) -> "KimiCache":
         """Allocate caches, filled with random data (never zeros) when ``seed`` is set.
 
+        The latent cache follows ``config.latent_cache_dtype``: FP8 rows are seeded as the
+        quantized random BF16 rows, with their power-of-two scales in ``kv_scale``.
         ``pooled=True`` makes each cache a strided view into one pool per kind, shared by all
         layers (layers interleaved inside each block / slot), as paged serving engines lay them out.
         """
@@ -68,14 +72,28 @@ class KimiCache:
         scl = make((num_blocks, block_size), torch.float32, n_dsa, 1)
         for s in scl:
             s.abs_().add_(0.01)  # scales are positive
+        if config.latent_fp8:  # pools made last: the BF16 caches' random draws are unchanged
+            kv8 = make((num_blocks, block_size, config.latent_dim), FP8, n_att, 1)
+            kvs = make((num_blocks, block_size), torch.float32, n_att, 1)
+            if g is not None:
+                for rows, values, scale in zip(kv, kv8, kvs):
+                    v, s = fp8_pow2_quantize(rows)
+                    values.copy_(v)
+                    scale.copy_(s)
+            kv = list(zip(kv8, kvs))
+        else:
+            kv = [(t, None) for t in kv]
         layers = []
         for kind in kinds:
             if kind == "kda":
                 layers.append(LayerCache(conv_state=conv.pop(0), recurrent_state=rec.pop(0)))
             elif kind == "mla":
-                layers.append(LayerCache(kv_cache=kv.pop(0)))
+                kv_cache, kv_scale = kv.pop(0)
+                layers.append(LayerCache(kv_cache=kv_cache, kv_scale=kv_scale))
             else:
-                layers.append(LayerCache(kv_cache=kv.pop(0), index_cache=idx.pop(0), index_scale=scl.pop(0)))
+                kv_cache, kv_scale = kv.pop(0)
+                layers.append(LayerCache(kv_cache=kv_cache, index_cache=idx.pop(0), index_scale=scl.pop(0),
+                                         kv_scale=kv_scale))
         return cls(layers, num_slots, num_blocks, block_size).mark_static()
 
     def mark_static(self) -> "KimiCache":
@@ -160,6 +178,12 @@ def check_step(config: K3Config, input_ids: torch.Tensor, meta: StepMeta, cache:
          f"meta.seq_lens exceed the block table's capacity {bt.shape[1] * cache.block_size}")
     need(bool(((bt >= 0) & (bt < cache.num_blocks)).all()), f"meta.block_table entries out of range [0, {cache.num_blocks})")
     need(len(cache.layers) == config.num_layers, f"cache has {len(cache.layers)} layers, config {config.num_layers}")
+    for i, lc in enumerate(cache.layers):
+        if lc.kv_cache is not None:  # the latent cache in the config's format (FP8: with its scales)
+            fp8 = lc.kv_scale is not None
+            need(fp8 == config.latent_fp8 and lc.kv_cache.dtype == (FP8 if fp8 else torch.bfloat16),
+                 f"layer {i}: latent cache {lc.kv_cache.dtype} ({'with' if fp8 else 'without'} kv_scale) is not "
+                 f"the config's {config.latent_cache_dtype}")
 
 
 class RequestBatch:
@@ -200,20 +224,21 @@ FP8_REL = 0.13  # one e4m3 step (<= 1/8 of the value) plus rounding
 def cache_differences(got: dict, ref: dict, fp8_scale: float = 1.0) -> dict[str, float]:
     """Max abs difference per cache tensor of two ``KimiCache.snapshot()``s.
 
-    FP8 index keys are compared dequantized (values x scale), as a fraction of each token's
-    amax, times ``fp8_scale``: an e4m3 key moves by one step (up to 1/8 of its value,
+    FP8 index keys and FP8 latent rows are compared dequantized (values x scale), as a fraction
+    of each token's amax, times ``fp8_scale``: an e4m3 key moves by one step (up to 1/8 of its value,
     ``FP8_REL``) when a BF16 ulp of its input crosses a rounding boundary, and its
     power-of-two scale doubles when the amax crosses one, so raw FP8 codes are not comparable.
     """
     errs = {}
     for k, a in got.items():
         b = ref[k]
-        if k.endswith("index_cache"):
-            sk = k.replace("index_cache", "index_scale")
+        fp8 = k.endswith("index_cache") or (k.endswith("kv_cache") and k.replace("kv_cache", "kv_scale") in got)
+        if fp8:
+            sk = k.replace("index_cache", "index_scale").replace("kv_cache", "kv_scale")
             da = a.float() * got[sk].unsqueeze(-1)
             db = b.float() * ref[sk].unsqueeze(-1)
             amax = torch.maximum(da.abs().amax(-1, keepdim=True), db.abs().amax(-1, keepdim=True)).clamp_min(1e-6)
             errs[k] = ((da - db).abs() / amax).max().item() * fp8_scale
-        elif not k.endswith("index_scale"):  # scales are covered by the dequantized keys
+        elif not k.endswith(("index_scale", "kv_scale")):  # scales are covered by the dequantized rows
             errs[k] = (a.float() - b.float()).abs().max().item()
     return errs

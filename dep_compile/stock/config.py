@@ -6,6 +6,9 @@ import dataclasses
 from typing import Literal
 
 LayerKind = Literal["kda", "mla", "dsa"]
+# Latent cache formats of MLA / DSA layers: BF16 rows, or FP8 e4m3 rows with one FP32 power-of-two
+# scale per token in a side tensor [NB, BS] (docs/fp8_latent_cache.md).
+LATENT_CACHE_DTYPES = ("bfloat16", "float8_e4m3fn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +57,13 @@ class K3Config:
     # SiTU
     situ_beta: float = 4.0
     situ_beta_lin: float = 25.0
+    # The MLA / DSA latent cache [NB, BS, kv_lora + rope]: "bfloat16", or "float8_e4m3fn" with
+    # per-token power-of-two scales (LayerCache.kv_scale)
+    latent_cache_dtype: str = "bfloat16"
+
+    def __post_init__(self):
+        if self.latent_cache_dtype not in LATENT_CACHE_DTYPES:
+            raise ValueError(f"latent_cache_dtype {self.latent_cache_dtype!r}: valid {LATENT_CACHE_DTYPES}")
 
     # ---- derived shapes -------------------------------------------------------------
     def layer_kind(self, layer: int) -> LayerKind:
@@ -81,6 +91,11 @@ class K3Config:
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_dim + self.qk_rope_dim
+
+    @property
+    def latent_fp8(self) -> bool:
+        """Whether the latent cache holds FP8 e4m3 rows with per-token scales."""
+        return self.latent_cache_dtype == "float8_e4m3fn"
 
     @property
     def latent_dim(self) -> int:

@@ -5,6 +5,10 @@ in ``dep_compile.stock.reference`` on CPU. On CUDA the MLA / DSA ops run vectori
 graph-capturable versions (``batched_attention``), the KDA core ``kda_cuda.kda_core_cuda``
 (Triton conv, fla-core's fused recurrent KDA where it imports, Triton gated norm) and the
 routed experts grouped GEMMs, and AttnRes one Triton launch (``attn_res_cuda``).
+
+An FP8 latent cache (``K3Config.latent_cache_dtype``) has its own ops, ``mla_decode_fp8`` and
+``sparse_mla_decode_fp8``: the BF16 ops' arguments plus ``kv_scale [NB, BS]`` FP32 (mutated), so the
+BF16 ops' schemas and graphs stay as they are.
 """
 
 from __future__ import annotations
@@ -62,6 +66,24 @@ def _(q, latent, kv_b_weight, kv_cache, slot_mapping, block_table, seq_lens, q_l
     return q.new_empty(q.shape[0], heads * v)
 
 
+@torch.library.custom_op("kimi_k3::mla_decode_fp8", mutates_args=("kv_cache", "kv_scale"))
+def mla_decode_fp8(
+    q: Tensor, latent: Tensor, kv_b_weight: Tensor, kv_cache: Tensor, kv_scale: Tensor, slot_mapping: Tensor,
+    block_table: Tensor, seq_lens: Tensor, q_len: int, scale: float, nope: int,
+) -> Tensor:
+    """``mla_decode`` on an FP8 e4m3 latent cache with per-token power-of-two scales ``kv_scale [NB, BS]``."""
+    fn = mla_decode_batched if q.is_cuda else mla_decode_ref
+    return fn(q, latent, kv_b_weight, kv_cache, slot_mapping, block_table, seq_lens, q_len, scale, nope,
+              kv_scale=kv_scale)
+
+
+@mla_decode_fp8.register_fake
+def _(q, latent, kv_b_weight, kv_cache, kv_scale, slot_mapping, block_table, seq_lens, q_len, scale, nope):
+    heads = q.shape[1]
+    v = kv_b_weight.shape[0] // heads - nope
+    return q.new_empty(q.shape[0], heads * v)
+
+
 @torch.library.custom_op("kimi_k3::dsa_indexer", mutates_args=("index_cache", "index_scale"))
 def dsa_indexer(
     q_idx: Tensor, weights: Tensor, k: Tensor, index_cache: Tensor, index_scale: Tensor,
@@ -89,6 +111,24 @@ def sparse_mla_decode(
 
 @sparse_mla_decode.register_fake
 def _(q, latent, kv_b_weight, kv_cache, slot_mapping, block_table, topk_indices, q_len, scale, nope):
+    heads = q.shape[1]
+    v = kv_b_weight.shape[0] // heads - nope
+    return q.new_empty(q.shape[0], heads * v)
+
+
+@torch.library.custom_op("kimi_k3::sparse_mla_decode_fp8", mutates_args=("kv_cache", "kv_scale"))
+def sparse_mla_decode_fp8(
+    q: Tensor, latent: Tensor, kv_b_weight: Tensor, kv_cache: Tensor, kv_scale: Tensor, slot_mapping: Tensor,
+    block_table: Tensor, topk_indices: Tensor, q_len: int, scale: float, nope: int,
+) -> Tensor:
+    """``sparse_mla_decode`` on an FP8 e4m3 latent cache with per-token power-of-two scales ``kv_scale [NB, BS]``."""
+    fn = sparse_mla_decode_batched if q.is_cuda else sparse_mla_decode_ref
+    return fn(q, latent, kv_b_weight, kv_cache, slot_mapping, block_table, topk_indices, q_len, scale, nope,
+              kv_scale=kv_scale)
+
+
+@sparse_mla_decode_fp8.register_fake
+def _(q, latent, kv_b_weight, kv_cache, kv_scale, slot_mapping, block_table, topk_indices, q_len, scale, nope):
     heads = q.shape[1]
     v = kv_b_weight.shape[0] // heads - nope
     return q.new_empty(q.shape[0], heads * v)

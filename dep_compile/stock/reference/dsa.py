@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from .common import fp8_pow2_quantize
-from .mla import absorb_query, attend_latent, gather_context, insert_rows, project_out, split_kv_b, token_positions
+from .mla import (absorb_query, attend_latent, gather_context, gather_latent, insert_latent, insert_rows, project_out,
+                  split_kv_b, token_positions)
 
 
 def insert_index_keys(
@@ -71,15 +72,16 @@ def dsa_indexer_ref(
 def sparse_mla_decode_ref(
     q: torch.Tensor, latent: torch.Tensor, kv_b_weight: torch.Tensor, kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor, block_table: torch.Tensor, topk_indices: torch.Tensor,
-    q_len: int, scale: float, nope: int,
+    q_len: int, scale: float, nope: int, kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Absorbed MLA decode over each token's selected positions ``topk_indices [T, K]`` (-1 = none).
 
-    Shapes as ``mla_decode_ref``; inserts ``latent`` into the cache first. Returns [T, H*v].
+    Shapes as ``mla_decode_ref`` (an FP8 latent cache with ``kv_scale`` too); inserts ``latent``
+    into the cache first. Returns [T, H*v].
     """
     T, H, _ = q.shape
     L = kv_b_weight.shape[-1]
-    insert_rows(kv_cache, slot_mapping, latent)
+    insert_latent(kv_cache, kv_scale, slot_mapping, latent)
     w_uk, w_uv = split_kv_b(kv_b_weight, H, nope)
     query = absorb_query(q, w_uk, nope)
     o_lat = torch.zeros(T, H, L, device=q.device)
@@ -88,7 +90,8 @@ def sparse_mla_decode_ref(
         sel = sel[sel >= 0].long()
         if int(slot_mapping[t]) < 0 or sel.numel() == 0:
             continue
-        o_lat[t] = attend_latent(query[t], gather_context(kv_cache, block_table, t // q_len, sel), L, scale)
+        ctx = gather_latent(kv_cache, kv_scale, block_table, t // q_len, sel, q.dtype)
+        o_lat[t] = attend_latent(query[t], ctx, L, scale)
     out = project_out(o_lat, w_uv, q.dtype)
     out[slot_mapping < 0] = 0
     return out

@@ -1,8 +1,15 @@
-"""Reference MLA decode: latent cache insert, absorbed attention over the paged latent cache, W_UV."""
+"""Reference MLA decode: latent cache insert, absorbed attention over the paged latent cache, W_UV.
+
+The latent cache holds BF16 rows, or FP8 e4m3 rows with one FP32 power-of-two scale per token in
+``kv_scale [NB, BS]`` (:func:`insert_latent` quantizes, :func:`gather_latent` dequantizes; the
+attention math is the same for both).
+"""
 
 from __future__ import annotations
 
 import torch
+
+from .common import fp8_pow2_quantize
 
 
 def insert_rows(cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor) -> None:
@@ -11,6 +18,18 @@ def insert_rows(cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Ten
     slots = slot_mapping[valid].long()
     bs = cache.shape[1]
     cache[slots // bs, slots % bs] = rows[valid].to(cache.dtype)  # any strides: caches may be pool views
+
+
+def insert_latent(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None, slot_mapping: torch.Tensor,
+                  latent: torch.Tensor) -> None:
+    """Insert latent rows ``[T, W]``: as they are, or (``kv_scale`` given) quantized to FP8 e4m3 with
+    one power-of-two scale per token (``fp8_pow2_quantize``), the scale into ``kv_scale [NB, BS]``."""
+    if kv_scale is None:
+        insert_rows(kv_cache, slot_mapping, latent)
+        return
+    values, scale = fp8_pow2_quantize(latent)  # [T, W] FP8, [T] FP32
+    insert_rows(kv_cache, slot_mapping, values)
+    insert_rows(kv_scale.unsqueeze(-1), slot_mapping, scale.unsqueeze(-1))
 
 
 def token_positions(seq_lens: torch.Tensor, q_len: int) -> torch.Tensor:
@@ -24,6 +43,17 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, b: int, posit
     bs = cache.shape[1]
     blocks = block_table[b].long()[positions // bs]
     return cache[blocks, positions % bs]
+
+
+def gather_latent(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None, block_table: torch.Tensor, b: int,
+                  positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Latent rows of request ``b`` at ``positions [n]``: [n, W], as stored, or FP8 rows times their
+    scales in ``dtype`` (exact in BF16: an e4m3 value times a power of two)."""
+    rows = gather_context(kv_cache, block_table, b, positions)
+    if kv_scale is None:
+        return rows
+    scale = gather_context(kv_scale.unsqueeze(-1), block_table, b, positions)  # [n, 1]
+    return (rows.float() * scale).to(dtype)
 
 
 def split_kv_b(kv_b_weight: torch.Tensor, heads: int, nope: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,18 +83,19 @@ def project_out(o_lat: torch.Tensor, w_uv: torch.Tensor, dtype: torch.dtype) -> 
 def mla_decode_ref(
     q: torch.Tensor, latent: torch.Tensor, kv_b_weight: torch.Tensor, kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-    q_len: int, scale: float, nope: int,
+    q_len: int, scale: float, nope: int, kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Absorbed MLA decode; inserts ``latent`` into the cache first.
 
     q: [T, H, nope+R]; latent: [T, L+R] (normed c_kv | k_rope); kv_b_weight: [H*(nope+v), L];
-    kv_cache: [NB, BS, L+R]; slot_mapping: [T] (-1 = padding, output 0); block_table: [B, MB];
+    kv_cache: [NB, BS, L+R] BF16, or FP8 e4m3 with ``kv_scale [NB, BS]`` FP32; slot_mapping: [T]
+    (-1 = padding, output 0); block_table: [B, MB];
     seq_lens: [B] including this step's tokens. Token i of request b sits at position
     seq_lens[b] - q_len + i and attends causally. Returns [T, H*v].
     """
     T, H, _ = q.shape
     L = kv_b_weight.shape[-1]
-    insert_rows(kv_cache, slot_mapping, latent)
+    insert_latent(kv_cache, kv_scale, slot_mapping, latent)
     w_uk, w_uv = split_kv_b(kv_b_weight, H, nope)
     query = absorb_query(q, w_uk, nope)
     pos = token_positions(seq_lens, q_len)
@@ -72,7 +103,8 @@ def mla_decode_ref(
     for t in range(T):
         if int(slot_mapping[t]) < 0:
             continue
-        ctx = gather_context(kv_cache, block_table, t // q_len, torch.arange(int(pos[t]) + 1, device=q.device))
+        ctx = gather_latent(kv_cache, kv_scale, block_table, t // q_len, torch.arange(int(pos[t]) + 1, device=q.device),
+                            q.dtype)
         o_lat[t] = attend_latent(query[t], ctx, L, scale)
     out = project_out(o_lat, w_uv, q.dtype)
     out[slot_mapping < 0] = 0
