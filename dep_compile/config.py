@@ -84,6 +84,17 @@ class DepOptions:
     def _bad(name: str, expected: str, value: Any) -> ValueError:
         return ValueError(f"kimi_dep: {name}: expected {expected}, got {value!r}")
 
+    def tables_for(self, device: Any) -> tuple[dict, dict]:
+        """(projection tables, o_proj table) for a layer on ``device``. On CUDA, as set. Elsewhere the
+        measured H200 defaults mean nothing: those projections run torch.mm, so the rewritten ops compute
+        what stock computes; a table the user set still runs there (the split-K contract in torch)."""
+        if getattr(device, "type", device) == "cuda":
+            return self.projection_tables, self.oproj_table
+        proj = {name: {} if table == tactics.validate_table(tactics.DEP_PROJECTION[name], name) else table
+                for name, table in self.projection_tables.items()}
+        oproj = {} if self.oproj_table == tactics.validate_table(tactics.DEP_OPROJ, "oproj_table") else self.oproj_table
+        return proj, oproj
+
     def _table(self, table: Any, where: str) -> dict:
         if not isinstance(table, Mapping):
             raise self._bad(where, "a dict {max_rows: SplitK(...) | 'cublas'}", table)

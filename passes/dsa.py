@@ -36,7 +36,7 @@ from dep_compile.ops.projection import DepProjection
 from dep_compile.ops.sparse_mla import reserve_sparse_mla
 
 from .base import Found, LayerPass, PassContext, check_bf16, check_only_user, check_q_len
-from .fx_match import (call, cast_to, is_call, linear, match_layer_norm, match_rms_norm, match_tree, op_args,
+from .fx_match import (call, cast_to, constant, is_call, linear, match_layer_norm, match_rms_norm, match_tree, op_args,
                        part_of, producer, require, single_user, skip_identity, unview, upcast_from, val)
 from .validate import shapes_of
 
@@ -218,12 +218,12 @@ class DsaPass(LayerPass):
     def rewrite(self, ctx: PassContext, found: Found):
         m = find_dsa(ctx, found.anchor)
         a, ia, opts = m.mla, m.indexer, ctx.options
+        proj, oproj = opts.tables_for(val(a["kv_cache"]).device)
         prepared = PreparedDsa(
             heads=m.heads, nope=int(a["nope"]), rope=m.rope, q_lora=m.q_lora, kv_lora=m.kv_lora,
             gate_width=m.gate_width, index_heads=m.index_heads, index_dim=m.index_dim, topk=int(ia["topk"]),
-            scale=float(a["scale"]), q_a_eps=m.eps[0], kv_a_eps=m.eps[1], k_norm_eps=m.eps[2],
-            projection=DepProjection("dsa_qkv_a_g_index", opts.projection_tables["dsa_qkv_a_g_index"]),
-            o_proj=DepProjection("o_proj", opts.oproj_table), sparse_mla=opts.sparse_mla,
+            scale=constant(a["scale"], "the sparse MLA softmax scale", found.anchor), q_a_eps=m.eps[0], kv_a_eps=m.eps[1], k_norm_eps=m.eps[2],
+            projection=DepProjection("dsa_qkv_a_g_index", proj["dsa_qkv_a_g_index"]), o_proj=DepProjection("o_proj", oproj), sparse_mla=opts.sparse_mla,
             latent_cache=m.latent_cache,
         )
         fp8 = m.latent_cache == "float8_e4m3fn"

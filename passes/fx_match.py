@@ -277,6 +277,26 @@ def last_dim(node: Any, dim: Any) -> bool:
     return isinstance(v, torch.Tensor) and isinstance(dim, int) and dim in (-1, v.dim() - 1)
 
 
+def constant(x: Any, what: str, node: Any) -> float:
+    """An op's number argument as float; NoMatch where the graph computes it (for one, a Python float
+    that ``torch.compile(dynamic=True)`` made a graph input: the value may change without a recompile)."""
+    require(scalar(x) is not None, f"{what} is {x.name if isinstance(x, Node) else repr(x)}, not a constant", node)
+    return float(x)
+
+
+UNSPECIALIZED_HINT = ("compile without dynamic=True (automatic dynamic shapes keep floats constant) or set "
+                      "torch._dynamo.config.specialize_float = True")
+
+
+def unspecialized_floats(graph: torch.fx.Graph) -> list[str]:
+    """The graph inputs read as Python floats (``item`` of a 0-d floating tensor): the floats
+    ``torch.compile(dynamic=True)`` leaves unspecialized."""
+    return sorted({n.args[0].name for n in graph.nodes if op_name(n) in ("item", "_local_scalar_dense")
+                   and isinstance(n.args[0], Node) and n.args[0].op == "placeholder"
+                   and isinstance(val(n.args[0]), torch.Tensor) and val(n.args[0]).dim() == 0
+                   and val(n.args[0]).is_floating_point()})
+
+
 def scalar(x: Any) -> float | None:
     """A Python number argument as float (None for nodes and others)."""
     return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None

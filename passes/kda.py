@@ -28,7 +28,7 @@ from dep_compile.ops.kda import PreparedKda
 from dep_compile.ops.projection import DepProjection
 
 from .base import Found, LayerPass, PassContext, check_bf16, check_only_user, check_q_len
-from .fx_match import linear, op_args, part_of, require, single_user, skip_identity, val
+from .fx_match import constant, linear, op_args, part_of, require, single_user, skip_identity, val
 from .validate import shapes_of
 
 Node = torch.fx.Node
@@ -102,10 +102,10 @@ class KdaPass(LayerPass):
     def rewrite(self, ctx: PassContext, found: Found):
         m = find_kda(ctx, found.anchor)
         a, opts = m.core, ctx.options
+        proj, oproj = opts.tables_for(val(a["recurrent_state"]).device)
         prepared = PreparedKda(
-            heads=m.heads, head_dim=m.head_dim, f_rank=m.f_rank, lower_bound=float(a["lower_bound"]),
-            norm_eps=float(a["norm_eps"]), in_proj=DepProjection("kda_in_proj", opts.projection_tables["kda_in_proj"]),
-            o_proj=DepProjection("o_proj", opts.oproj_table),
+            heads=m.heads, head_dim=m.head_dim, f_rank=m.f_rank, lower_bound=constant(a["lower_bound"], "KDA lower_bound", found.anchor),
+            norm_eps=constant(a["norm_eps"], "KDA norm eps", found.anchor), in_proj=DepProjection("kda_in_proj", proj["kda_in_proj"]), o_proj=DepProjection("o_proj", oproj),
         )
         roles = {k: a[k] for k in ("conv_state", "recurrent_state", "state_indices", "accepted", "q_len")}
         ctx.commit(found, x=m.x, output=m.output, claimed=m.claimed, target=KDA_ATTENTION.default, args=(

@@ -22,6 +22,7 @@ from dep_compile.debug.report import LayerMatch, MatchReport, record
 from .attn_res import AttnResPass
 from .base import LayerPass, PassContext
 from .dsa import DsaPass
+from .fx_match import UNSPECIALIZED_HINT, unspecialized_floats
 from .kda import KdaPass
 from .mla import MlaPass
 from .moe import MoePass
@@ -67,6 +68,7 @@ class DepPassManager:
         if self.options.dump_dir:
             dump.write_before(self.options.dump_dir, graph_name, gm)
         ctx = PassContext(gm, example_inputs, self.options, postgrad=postgrad)
+        floats = unspecialized_floats(gm.graph)
         rows: list[LayerMatch] = []
         for i, p in enumerate(self.passes, 1):
             if i > 1 and self.options.dump_dir:
@@ -103,6 +105,11 @@ class DepPassManager:
         for m in report.stock() + report.stock_points():
             if m.kind != "mla":
                 log.warning("kimi_dep: %s %s left stock: %s", m.kind, m.module, m.reason)
+        if floats and any("not a constant" in m.reason for m in report.stock() + report.stock_points()):
+            log.warning("kimi_dep: %s reads %d Python floats as graph inputs (%s): torch.compile(dynamic=True) does "
+                        "not specialize floats, so the layers whose eps or scales they are stay stock; %s",
+                        report.graph, len(floats), ", ".join(floats[:4]) + (", ..." if len(floats) > 4 else ""),
+                        UNSPECIALIZED_HINT)
         return RewriteResult(report, ctx.finalizers)
 
     @staticmethod

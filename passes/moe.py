@@ -27,7 +27,7 @@ from dep_compile.ops.moe import EpMoeLayer
 from dep_compile.ops.projection import DepProjection
 
 from .base import Found, LayerPass, PassContext, check_bf16
-from .fx_match import (NoMatch, call, cast_to, dtype_of, fp32_use, last_dim, linear, linear_of, match_rms_norm,
+from .fx_match import (NoMatch, call, cast_to, constant, dtype_of, fp32_use, last_dim, linear, linear_of, match_rms_norm,
                        match_tree, op_args, op_name, part_of, require, scalar, skip_identity, upcast_from, val)
 
 Node = torch.fx.Node
@@ -87,7 +87,8 @@ def match_router(ids_node, weights_node, top_k_expected: int, claimed: set):
     div, scale = mul["input"], scalar(mul["other"])
     if scale is None:
         div, scale = mul["other"], scalar(mul["input"])
-    require(scale is not None, "topk_weights are not scaled by a constant routed_scaling_factor", w)
+    if scale is None:  # neither operand is a number: name the one that is not the renormalization
+        constant(mul["other"] if op_name(mul["input"]) == "div" else mul["input"], "the routed_scaling_factor", w)
     d = call(div, "div", "the renormalization", claimed)
     require(d.get("rounding_mode") is None, "the renormalization rounds", div)
     gather, total = d["input"], d["other"]
@@ -199,7 +200,7 @@ def dep_moe_supported(ctx: PassContext, R: Node) -> MoeMatch:
             shared_out = ab["other"] if ab["input"] is up.node else ab["input"]
             require(up.node in (ab["input"], ab["other"]), "no shared expert added to the up-projection", add)
             sd = linear(shared_out, "the add's other operand (a shared expert's down_proj)", claimed)
-    gu = match_situ(sd.x, float(a["beta"]), float(a["beta_lin"]), claimed)
+    gu = match_situ(sd.x, constant(a["beta"], "SiTU beta", R), constant(a["beta_lin"], "SiTU beta_lin", R), claimed)
     require(gu.x is x, "shared expert reads another input than the router", gu.node)
     check_bf16("MoE activations/weights", x, down.w, gu.w, sd.w, up.w, a["w13"], a["w2"])
     shared_inter = ctx.param(sd.w, "shared down_proj").shape[1]
@@ -231,7 +232,7 @@ class MoePass(LayerPass):
         prepared = EpMoeLayer(
             shared_inter=m.shared_inter, latent=m.latent, top_k=m.top_k, scale=m.scale, beta=float(a["beta"]),
             beta_lin=float(a["beta_lin"]), norm_eps=m.norm_eps, expert_start=int(a["expert_start"]), ep_size=m.ep_size,
-            front_max=opts.front_max, front=DepProjection("moe_front", opts.projection_tables["moe_front"]),
+            front_max=opts.front_max, front=DepProjection("moe_front", opts.tables_for(val(a["w13"]).device)[0]["moe_front"]),
         )
         front = [m.gu_w, m.down_w]
         ctx.commit(found, x=m.x, output=m.output, claimed=m.claimed, target=MOE.default, args=(

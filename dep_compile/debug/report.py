@@ -7,7 +7,7 @@ import json
 
 import torch
 
-CPU_TACTICS = "torch matmuls on CPU (the GPU tactic tables do not apply)"
+CPU_TACTICS = "torch.mm on CPU (the measured tactic tables are for CUDA)"
 
 
 @dataclasses.dataclass
@@ -114,9 +114,9 @@ class MatchReport:
 
 
 def _tactics(tactics: dict[str, dict[int, str]]) -> str:
-    """Each projection's tactics by batch, or on a machine without CUDA what runs there instead
-    (the split-K tactics are Triton kernels; on CPU a projection is a torch matmul)."""
-    if not torch.cuda.is_available():
+    """Each projection's tactics by batch; on a machine without CUDA where every one is cuBLAS (the
+    default tables: ``DepOptions.tables_for``), what runs there instead."""
+    if not torch.cuda.is_available() and all(t == "cublas" for tab in tactics.values() for t in tab.values()):
         return CPU_TACTICS
     return "; ".join(f"{p}: {_bins(tab)}" for p, tab in tactics.items())
 

@@ -49,6 +49,12 @@ def flashinfer_mla_decode():
     return trtllm_batch_decode_with_kv_cache_mla
 
 
+def _size(d: int | torch.SymInt) -> int:
+    """A cache dim as an int: a symbolic one (``torch.compile(dynamic=True)``) by the traced example's size;
+    the op decides again on the real shape at run time."""
+    return int(d.node.hint) if isinstance(d, torch.SymInt) else int(d)
+
+
 def flashinfer_unsupported(kv_cache: Tensor, *, heads: int, kv_lora: int, nope: int,
                            capability: tuple[int, int] | None = None) -> str | None:
     """Why FlashInfer's sparse MLA cannot run this layer on this GPU (None: it can); ``capability``:
@@ -63,7 +69,7 @@ def flashinfer_unsupported(kv_cache: Tensor, *, heads: int, kv_lora: int, nope: 
     major, minor = capability
     if major != 10:
         return f"SM{major}{minor}: FlashInfer's sparse MLA (TRTLLM-gen) runs on SM 10.x only"
-    rope = kv_cache.shape[-1] - kv_lora
+    rope = _size(kv_cache.shape[-1]) - kv_lora
     if (kv_lora, rope) != (512, 64) or nope not in (128, 192):
         return f"latent {kv_lora} + rope {rope}, q_nope {nope}: the kernel takes 512 + 64 and q_nope 128 or 192"
     if heads > FLASHINFER_HEADS:
@@ -73,8 +79,8 @@ def flashinfer_unsupported(kv_cache: Tensor, *, heads: int, kv_lora: int, nope: 
                 "(bmm1_scale / bmm2_scale)")
     if kv_cache.dtype != torch.bfloat16 or not kv_cache.is_contiguous():
         return "latent cache not a contiguous BF16 [pages, page, 576] tensor"
-    if kv_cache.shape[1] not in (32, 64):
-        return f"cache pages of {kv_cache.shape[1]} rows: the kernel takes 32 or 64"
+    if _size(kv_cache.shape[1]) not in (32, 64):
+        return f"cache pages of {_size(kv_cache.shape[1])} rows: the kernel takes 32 or 64"
     return None
 
 
@@ -82,7 +88,7 @@ def choose_sparse_mla(option: str, kv_cache: Tensor, *, heads: int, kv_lora: int
     """The kernel a DSA step's sparse MLA runs on ("triton" or "flashinfer") under ``option``
     ("auto": FlashInfer where it can run, "triton", "flashinfer": an error where it cannot);
     decided once per device and layer shape, and logged."""
-    key = (kv_cache.device, option, heads, kv_lora, nope, tuple(kv_cache.shape[1:]), kv_cache.dtype,
+    key = (kv_cache.device, option, heads, kv_lora, nope, tuple(_size(d) for d in kv_cache.shape[1:]), kv_cache.dtype,
            kv_cache.is_contiguous())
     if key not in _CHOSEN:
         if option == "triton":
