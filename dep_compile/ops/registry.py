@@ -44,6 +44,7 @@ def _decode(obj: Any) -> Any:
 def register(module: str, prepared: Any) -> str:
     """Register ``prepared`` for the layer at ``module``; returns the op's ``layer`` string."""
     key = f"{module}#{json.dumps(_encode(prepared), sort_keys=True, separators=(',', ':'))}"
+    _PREPARED.pop(key, None)  # the latest registration last, also when an equal layer was registered before
     _PREPARED[key] = prepared
     return key
 
