@@ -44,12 +44,18 @@ def staggered(llm, prompts: list[list[int]], max_tokens: list[int]) -> list[list
         for i, p in enumerate(prompts):
             if step == 3 * i:
                 eng.add_request(str(i), {"prompt_token_ids": p},
-                                SamplingParams(temperature=0, max_tokens=max_tokens[i], ignore_eos=True, logprobs=1))
+                                SamplingParams(temperature=0, max_tokens=max_tokens[i], ignore_eos=True, logprobs=2))
         for out in eng.step():
             if out.finished:
                 done[out.request_id] = out.outputs[0]
         step += 1
     return [done[str(i)] for i in range(len(prompts))]
+
+
+def top2_margin(step: dict) -> float:
+    """The log-probability gap between a step's best and second-best token (its distance from a tie)."""
+    best = sorted((lp.logprob for lp in step.values() if lp.rank in (1, 2)), reverse=True)
+    return best[0] - best[1]
 
 
 def main() -> None:
@@ -71,12 +77,13 @@ def main() -> None:
         lens = [args.max_tokens + 4 * (i % 2) for i in range(len(PROMPTS))]
         outs = staggered(llm, PROMPTS, lens)
     else:
-        sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=1)
+        sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=2)
         outs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)]
     tokens = [list(o.token_ids) for o in outs]
     logprobs = [[step[t].logprob for t, step in zip(o.token_ids, o.logprobs)] for o in outs]
+    margins = [[top2_margin(step) for step in o.logprobs] for o in outs]
     with open(args.out, "w") as f:
-        json.dump({"prompts": PROMPTS, "tokens": tokens, "logprobs": logprobs}, f)
+        json.dump({"prompts": PROMPTS, "tokens": tokens, "logprobs": logprobs, "margins": margins}, f)
 
 
 if __name__ == "__main__":  # the engine spawns processes
