@@ -108,7 +108,8 @@ def _probe(ctx: PassContext, region: set[Node], anchor: Node, output: Node, a: d
     x = val(a["prefix"])
     device = x.device if x.device.type != "meta" else torch.device("cpu")
     g = torch.Generator().manual_seed(0)
-    rand = lambda v: torch.randn(tuple(validate.hint(s) for s in v.shape), generator=g).to(v.dtype).to(device)  # noqa: E731
+    rand = lambda v: (torch.randn(tuple(validate.hint(s) for s in v.shape), generator=g)  # noqa: E731
+                      .to(v.dtype).to(device))
     fresh = {"prefix": rand(val(a["prefix"])), "bank": rand(val(a["bank"]))}
     inputs = types.SimpleNamespace(g=g, device=device, caches={k: t.clone() for k, t in fresh.items()})
     inputs.values = {a["delta"]: rand(val(a["delta"])), a["prefix"]: inputs.caches["prefix"],

@@ -222,8 +222,10 @@ class DsaPass(LayerPass):
         prepared = PreparedDsa(
             heads=m.heads, nope=int(a["nope"]), rope=m.rope, q_lora=m.q_lora, kv_lora=m.kv_lora,
             gate_width=m.gate_width, index_heads=m.index_heads, index_dim=m.index_dim, topk=int(ia["topk"]),
-            scale=constant(a["scale"], "the sparse MLA softmax scale", found.anchor), q_a_eps=m.eps[0], kv_a_eps=m.eps[1], k_norm_eps=m.eps[2],
-            projection=DepProjection("dsa_qkv_a_g_index", proj["dsa_qkv_a_g_index"]), o_proj=DepProjection("o_proj", oproj), sparse_mla=opts.sparse_mla,
+            scale=constant(a["scale"], "the sparse MLA softmax scale", found.anchor), q_a_eps=m.eps[0],
+            kv_a_eps=m.eps[1], k_norm_eps=m.eps[2],
+            projection=DepProjection("dsa_qkv_a_g_index", proj["dsa_qkv_a_g_index"]),
+            o_proj=DepProjection("o_proj", oproj), sparse_mla=opts.sparse_mla,
             latent_cache=m.latent_cache,
         )
         fp8 = m.latent_cache == "float8_e4m3fn"

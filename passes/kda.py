@@ -104,8 +104,10 @@ class KdaPass(LayerPass):
         a, opts = m.core, ctx.options
         proj, oproj = opts.tables_for(val(a["recurrent_state"]).device)
         prepared = PreparedKda(
-            heads=m.heads, head_dim=m.head_dim, f_rank=m.f_rank, lower_bound=constant(a["lower_bound"], "KDA lower_bound", found.anchor),
-            norm_eps=constant(a["norm_eps"], "KDA norm eps", found.anchor), in_proj=DepProjection("kda_in_proj", proj["kda_in_proj"]), o_proj=DepProjection("o_proj", oproj),
+            heads=m.heads, head_dim=m.head_dim, f_rank=m.f_rank,
+            lower_bound=constant(a["lower_bound"], "KDA lower_bound", found.anchor),
+            norm_eps=constant(a["norm_eps"], "KDA norm eps", found.anchor),
+            in_proj=DepProjection("kda_in_proj", proj["kda_in_proj"]), o_proj=DepProjection("o_proj", oproj),
         )
         roles = {k: a[k] for k in ("conv_state", "recurrent_state", "state_indices", "accepted", "q_len")}
         ctx.commit(found, x=m.x, output=m.output, claimed=m.claimed, target=KDA_ATTENTION.default, args=(

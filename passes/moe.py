@@ -27,8 +27,9 @@ from dep_compile.ops.moe import EpMoeLayer
 from dep_compile.ops.projection import DepProjection
 
 from .base import Found, LayerPass, PassContext, check_bf16
-from .fx_match import (NoMatch, call, cast_to, constant, dtype_of, fp32_use, last_dim, linear, linear_of, match_rms_norm,
-                       match_tree, op_args, op_name, part_of, require, scalar, skip_identity, upcast_from, val)
+from .fx_match import (NoMatch, call, cast_to, constant, dtype_of, fp32_use, last_dim, linear, linear_of,
+                       match_rms_norm, match_tree, op_args, op_name, part_of, require, scalar, skip_identity,
+                       upcast_from, val)
 
 Node = torch.fx.Node
 EXPERTS = torch.ops.kimi_k3.routed_experts
@@ -232,7 +233,8 @@ class MoePass(LayerPass):
         prepared = EpMoeLayer(
             shared_inter=m.shared_inter, latent=m.latent, top_k=m.top_k, scale=m.scale, beta=float(a["beta"]),
             beta_lin=float(a["beta_lin"]), norm_eps=m.norm_eps, expert_start=int(a["expert_start"]), ep_size=m.ep_size,
-            front_max=opts.front_max, front=DepProjection("moe_front", opts.tables_for(val(a["w13"]).device)[0]["moe_front"]),
+            front_max=opts.front_max,
+            front=DepProjection("moe_front", opts.tables_for(val(a["w13"]).device)[0]["moe_front"]),
         )
         front = [m.gu_w, m.down_w]
         ctx.commit(found, x=m.x, output=m.output, claimed=m.claimed, target=MOE.default, args=(
