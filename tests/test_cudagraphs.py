@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Callable
 from unittest import mock
 
 import pytest
@@ -95,10 +96,12 @@ def _cudagraphs_recorded() -> int:
     return 0 if manager is None else sum(1 + n.num_descendants() for n in manager.get_roots())
 
 
-def run_steps(model, fn, cache, steps: int = 8, verify: int = 3, rows: int = 3, seed: int = 0):
+def run_steps(model, fn, cache, steps: int = 8, verify: int = 3, rows: int = 3, seed: int = 0,
+              before_step: Callable[[int], None] | None = None):
     """``steps`` decode steps then ``verify`` verify steps (q = 2, the first request accepting one
     token), alternating two request batches (other block tables, state slots and lengths: new
-    metadata each step); the logits of each step, cloned (cudagraph trees reuse output buffers)."""
+    metadata each step); the logits of each step, cloned (cudagraph trees reuse output buffers).
+    ``before_step(i)`` runs before step ``i`` (e.g. to set the caches)."""
     device = next(iter(cache.layers[0].tensors().values())).device
     a = RequestBatch(cache, rows, start_len=9, device=device, seed=seed)
     b = RequestBatch(cache, rows, start_len=17, device=device, seed=seed + 1)
@@ -109,6 +112,8 @@ def run_steps(model, fn, cache, steps: int = 8, verify: int = 3, rows: int = 3, 
             q = 1 if i < steps else 2
             meta = (a if i % 2 == 0 else b).step(q, None if q == 1 else [1] + [2] * (rows - 1))
             ids = torch.randint(0, model.config.vocab_size, (rows * q,), generator=g).to(device)
+            if before_step is not None:
+                before_step(i)
             out.append(model.step(ids, meta, cache, fn=fn).clone())
     return out
 
