@@ -31,8 +31,8 @@ class DepOptions:
     """Every option the backend takes; ``from_dict`` rejects unknown names and bad values."""
 
     kinds: tuple[str, ...] = DEP_KINDS
-    projection_tables: dict = dataclasses.field(default_factory=lambda: dict(tactics.DEP_PROJECTION))
-    oproj_table: dict = dataclasses.field(default_factory=lambda: dict(tactics.DEP_OPROJ))
+    projection_tables: dict = dataclasses.field(default_factory=dict)  # the tables set; the rest: tables_for
+    oproj_table: dict | None = None  # None: the measured H200 table on CUDA (tables_for)
     front_max: int = FRONT_MAX
     batches: tuple[int, ...] = DEFAULT_BATCHES
     max_q: int = MAX_VERIFY_Q
@@ -46,8 +46,10 @@ class DepOptions:
     HELP = {
         "kinds": "subset of ('dsa', 'kda', 'moe', 'attn_res') to rewrite (attn_res: the AttnRes -> RMSNorm "
                  "points); MLA is never rewritten",
-        "projection_tables": "{'dsa_qkv_a_g_index'|'kda_in_proj'|'moe_front': {max_rows: SplitK|'cublas'}}",
-        "oproj_table": "{max_rows: SplitK|'cublas'} for the 7168 x 12288 o_proj",
+        "projection_tables": "{'dsa_qkv_a_g_index'|'kda_in_proj'|'moe_front': {max_rows: SplitK|'cublas'}}; a "
+                             "projection not named: the measured H200 table on CUDA, torch.mm elsewhere",
+        "oproj_table": "{max_rows: SplitK|'cublas'} for the 7168 x 12288 o_proj; unset: the measured H200 table on "
+                       "CUDA, torch.mm elsewhere",
         "front_max": "MoE batches above this many rows run the stock path (FRONT_MAX)",
         "batches": "the batch sizes ('wide') the report lists tactics for",
         "max_q": "largest verify q (tokens per request) rewritten; larger steps are prefill-shaped",
@@ -85,14 +87,13 @@ class DepOptions:
         return ValueError(f"kimi_dep: {name}: expected {expected}, got {value!r}")
 
     def tables_for(self, device: Any) -> tuple[dict, dict]:
-        """(projection tables, o_proj table) for a layer on ``device``. On CUDA, as set. Elsewhere the
-        measured H200 defaults mean nothing: those projections run torch.mm, so the rewritten ops compute
-        what stock computes; a table the user set still runs there (the split-K contract in torch)."""
-        if getattr(device, "type", device) == "cuda":
-            return self.projection_tables, self.oproj_table
-        proj = {name: {} if table == tactics.validate_table(tactics.DEP_PROJECTION[name], name) else table
-                for name, table in self.projection_tables.items()}
-        oproj = {} if self.oproj_table == tactics.validate_table(tactics.DEP_OPROJ, "oproj_table") else self.oproj_table
+        """(projection tables, o_proj table) for a layer on ``device``: the tables set in the options; for the
+        others, on CUDA the measured H200 defaults (``tactics``), elsewhere none (torch.mm, so the rewritten
+        ops compute what stock computes; a table set in the options runs the split-K contract in torch)."""
+        cuda = getattr(device, "type", device) == "cuda"
+        proj = {name: self.projection_tables.get(name, table if cuda else {})
+                for name, table in tactics.DEP_PROJECTION.items()}
+        oproj = self.oproj_table if self.oproj_table is not None else (tactics.DEP_OPROJ if cuda else {})
         return proj, oproj
 
     def _table(self, table: Any, where: str) -> dict:
@@ -124,8 +125,9 @@ class DepOptions:
             if name not in tactics.DEP_PROJECTION:
                 raise self._bad("projection_tables", f"keys among {sorted(tactics.DEP_PROJECTION)}", name)
             tables[name] = self._table(table, f"projection_tables[{name!r}]")
-        object.__setattr__(self, "projection_tables", {**tactics.DEP_PROJECTION, **tables})
-        object.__setattr__(self, "oproj_table", self._table(self.oproj_table, "oproj_table"))
+        object.__setattr__(self, "projection_tables", tables)
+        if self.oproj_table is not None:
+            object.__setattr__(self, "oproj_table", self._table(self.oproj_table, "oproj_table"))
         for name in ("front_max", "max_q", "moe_top_k"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool):

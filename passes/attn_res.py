@@ -29,6 +29,7 @@ import types
 import torch
 
 from dep_compile.ops import attn_res as _attn_res_op  # noqa: F401  (registers kimi_dep::attn_res_norm)
+from dep_compile.ops.shapes import size_hint
 
 from . import validate
 from .base import Found, LayerPass, PassContext, check_bf16
@@ -108,7 +109,7 @@ def _probe(ctx: PassContext, region: set[Node], anchor: Node, output: Node, a: d
     x = val(a["prefix"])
     device = x.device if x.device.type != "meta" else torch.device("cpu")
     g = torch.Generator().manual_seed(0)
-    rand = lambda v: (torch.randn(tuple(validate.hint(s) for s in v.shape), generator=g)  # noqa: E731
+    rand = lambda v: (torch.randn(tuple(size_hint(s) for s in v.shape), generator=g)  # noqa: E731
                       .to(v.dtype).to(device))
     fresh = {"prefix": rand(val(a["prefix"])), "bank": rand(val(a["bank"]))}
     inputs = types.SimpleNamespace(g=g, device=device, caches={k: t.clone() for k, t in fresh.items()})
@@ -122,7 +123,7 @@ def _probe(ctx: PassContext, region: set[Node], anchor: Node, output: Node, a: d
         out = ATTN_RES_NORM.default(*ev.value(args))
     errors = {"output": validate._error(out, ev.env[output])}
     errors.update({k: validate._error(fresh[k], inputs.caches[k]) for k in fresh})
-    verdict = validate.Verdict(errors, time.perf_counter() - t0, validate.hint(x.shape[0]), module)
+    verdict = validate.Verdict(errors, time.perf_counter() - t0, size_hint(x.shape[0]), module)
     on_cpu = device.type == "cpu"
     bound = validate.CPU_MAX_REL if on_cpu else validate.CUDA_MAX_REL
     bad = {k: e for k, e in errors.items() if e[0] > bound or (not on_cpu and e[1] > validate.CUDA_RMS_REL)}

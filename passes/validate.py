@@ -28,6 +28,7 @@ import torch.fx as fx
 from dep_compile.ops.packing import unpacked_ok
 from dep_compile.ops.projection import DepProjection
 from dep_compile.ops.registry import register
+from dep_compile.ops.shapes import size_hint
 
 from .fx_match import AF_V1, AF_V2, NoMatch, functionalized_op, val
 
@@ -83,13 +84,6 @@ def shapes_of(node: Node, overload, names: tuple) -> dict:
     return {name: tuple(node.kwargs.get(f"_{name}_size") or val(bound[name]).shape) for name in names}
 
 
-def hint(v: Any) -> int:
-    """A size as an int: a SymInt's hint (the size of the example the graph was traced with)."""
-    if isinstance(v, torch.SymInt):
-        return int(v.node.hint)
-    return int(v)
-
-
 def _cublas(prepared: Any) -> Any:
     """A copy of a prepared layer with every projection on cuBLAS (torch.mm)."""
     changes = {f.name: DepProjection(getattr(prepared, f.name).name, {}) for f in dataclasses.fields(prepared)
@@ -105,14 +99,14 @@ class _Inputs:
         self.device = device
         r = probe.roles
         xv = val(probe.x)
-        self.T = hint(xv.shape[0])
+        self.T = size_hint(xv.shape[0])
         q = r.get("q_len", 1)
-        self.q = hint(val(q)) if isinstance(q, Node) else int(q)
+        self.q = size_hint(val(q)) if isinstance(q, Node) else int(q)
         if self.T % self.q:
             raise NoMatch(f"semantic check: {self.T} tokens are not whole requests of q_len={self.q}", probe.x)
         self.B = self.T // self.q
         self.values: dict = {}
-        self.values[probe.x] = self._randn(tuple(hint(s) for s in xv.shape), xv.dtype)
+        self.values[probe.x] = self._randn(tuple(size_hint(s) for s in xv.shape), xv.dtype)
         if isinstance(q, Node):
             self.values[q] = self.q
         self._metadata(probe)
@@ -128,7 +122,7 @@ class _Inputs:
         r, B, q = probe.roles, self.B, self.q
         self.slots = B + 2
         if "kv_cache" in r:
-            bs = hint(probe.shapes["kv_cache"][1])
+            bs = size_hint(probe.shapes["kv_cache"][1])
             topk = int(r.get("topk", 0))
             long = topk + 2 * bs + q  # longer than the top-k: the indexer's selection matters
             lens = [long if b < 2 else q + int(torch.randint(0, 2 * bs, (1,), generator=self.g)) for b in range(B)]
@@ -157,7 +151,7 @@ class _Inputs:
                 raise NoMatch(f"semantic check: no probe value for {role}", r[role])
 
     def _cache(self, role: str, shape, dtype):
-        rest = tuple(hint(s) for s in shape[1:])
+        rest = tuple(size_hint(s) for s in shape[1:])
         lead = self.slots if role in ("conv_state", "recurrent_state") else self.blocks
         t = torch.randn((lead, *rest), generator=self.g)
         if role == "index_cache":
@@ -196,13 +190,13 @@ class _Evaluator:
             if n in self.real:
                 t = self.real[n]
                 if isinstance(t, torch.SymInt):
-                    return hint(t)
+                    return size_hint(t)
                 if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter) and t.dim() > 0 \
                         and not _is_weight_buffer(n):
                     raise NoMatch(f"semantic check: the layer reads graph input {n.name}, not a weight", n)
                 return t
             if isinstance(v, (torch.SymInt, int)):
-                return hint(v)
+                return size_hint(v)
             if isinstance(v, torch.Tensor):
                 return _random_like(v, self.inputs)
             raise NoMatch(f"semantic check: no probe value for graph input {n.name}", n)
@@ -280,7 +274,7 @@ def _mutates(n: Node) -> bool:
 
 def _random_like(v: torch.Tensor, inputs: _Inputs) -> torch.Tensor:
     """A random weight of ``v``'s shape and dtype, at a scale that keeps activations O(1)."""
-    shape = tuple(hint(s) for s in v.shape)
+    shape = tuple(size_hint(s) for s in v.shape)
     if v.dtype in (torch.int32, torch.int64):
         return torch.zeros(shape, dtype=v.dtype, device=inputs.device)
     scale = shape[-1] ** -0.5 if len(shape) >= 2 else 0.1

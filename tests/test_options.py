@@ -12,7 +12,7 @@ import torch
 import dep_compile
 import dep_compile.__main__ as cli
 from dep_compile.config import DepOptions
-from dep_compile.tactics import SplitK
+from dep_compile.tactics import DEP_OPROJ, DEP_PROJECTION, SplitK
 
 # ---------------------------------------------------------------------------------------------
 # dep_compile.options
@@ -188,3 +188,18 @@ def test_explain_bad_preset_in_a_subprocess():
     assert proc.stdout == ""
     assert proc.stderr.splitlines() == ["dep-compile explain: error: unknown --preset 'nope'; valid: k3, k31, k3-small, "
                                         "k31-small, mixed-small"], proc.stderr
+
+
+def test_tactic_tables_by_device():
+    """Unset tables: the measured H200 ones on CUDA, none (torch.mm) on CPU; a table set in the options
+    applies on every device, also when it equals the measured one."""
+    plain = DepOptions.from_dict(None)
+    assert plain.tables_for("cuda") == (DEP_PROJECTION, DEP_OPROJ)
+    assert plain.tables_for(torch.device("cpu")) == ({name: {} for name in DEP_PROJECTION}, {})
+    given = DepOptions.from_dict({"projection_tables": DEP_PROJECTION, "oproj_table": DEP_OPROJ})
+    assert given.tables_for("cpu") == given.tables_for("cuda")
+    assert all(given.tables_for("cpu")[0][name] for name in DEP_PROJECTION) and given.tables_for("cpu")[1]
+    one = DepOptions.from_dict({"projection_tables": {"kda_in_proj": {2: SplitK(2)}}})
+    proj, oproj = one.tables_for("cpu")
+    assert proj["kda_in_proj"] == {2: SplitK(2)} and proj["moe_front"] == {} and oproj == {}
+    assert one.tables_for("cuda")[0]["moe_front"] == DEP_PROJECTION["moe_front"]

@@ -91,7 +91,9 @@ def check_same_tokens(got: dict, ref: dict) -> str:
     """``got``'s tokens equal ``ref``'s, except that from a step where ``ref``'s best two tokens lie within
     ``TIE`` of each other the two may part (and are not compared after); returns a one-line summary."""
     equal = total = 0
+    assert len(got["tokens"]) == len(ref["tokens"]) == len(ref["margins"]) == len(got["prompts"]) > 0, "prompts missing"
     for i, (g, r, margins) in enumerate(zip(got["tokens"], ref["tokens"], ref["margins"])):
+        assert len(g) == len(r) == len(margins) > 0, f"prompt {i}: {len(g)} tokens, the reference {len(r)}"
         part = next((t for t in range(len(r)) if g[t] != r[t]), len(r))
         assert part == len(r) or margins[part] < TIE, (
             f"prompt {i}: the tokens part at step {part}, where the reference's top-2 margin is "

@@ -54,7 +54,7 @@ def staggered(llm, prompts: list[list[int]], max_tokens: list[int]) -> list[list
 
 def top2_margin(step: dict) -> float:
     """The log-probability gap between a step's best and second-best token (its distance from a tie)."""
-    best = sorted((lp.logprob for lp in step.values() if lp.rank in (1, 2)), reverse=True)
+    best = sorted((lp.logprob for lp in step.values()), reverse=True)  # top-2 and the chosen token
     return best[0] - best[1]
 
 

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..config import SPARSE_MLA_KERNELS, OptionError  # noqa: F401  (the choices, re-exported)
+from .shapes import size_hint  # symbolic dims (dynamic=True) by their hints: the op decides again at run time
 
 log = logging.getLogger(__name__)
 FLASHINFER_HEADS = 128  # query heads the kernel is given: K3's 96 padded
@@ -49,12 +50,6 @@ def flashinfer_mla_decode():
     return trtllm_batch_decode_with_kv_cache_mla
 
 
-def _size(d: int | torch.SymInt) -> int:
-    """A cache dim as an int: a symbolic one (``torch.compile(dynamic=True)``) by the traced example's size;
-    the op decides again on the real shape at run time."""
-    return int(d.node.hint) if isinstance(d, torch.SymInt) else int(d)
-
-
 def flashinfer_unsupported(kv_cache: Tensor, *, heads: int, kv_lora: int, nope: int,
                            capability: tuple[int, int] | None = None) -> str | None:
     """Why FlashInfer's sparse MLA cannot run this layer on this GPU (None: it can); ``capability``:
@@ -69,7 +64,7 @@ def flashinfer_unsupported(kv_cache: Tensor, *, heads: int, kv_lora: int, nope: 
     major, minor = capability
     if major != 10:
         return f"SM{major}{minor}: FlashInfer's sparse MLA (TRTLLM-gen) runs on SM 10.x only"
-    rope = _size(kv_cache.shape[-1]) - kv_lora
+    rope = size_hint(kv_cache.shape[-1]) - kv_lora
     if (kv_lora, rope) != (512, 64) or nope not in (128, 192):
         return f"latent {kv_lora} + rope {rope}, q_nope {nope}: the kernel takes 512 + 64 and q_nope 128 or 192"
     if heads > FLASHINFER_HEADS:
@@ -79,8 +74,8 @@ def flashinfer_unsupported(kv_cache: Tensor, *, heads: int, kv_lora: int, nope: 
                 "(bmm1_scale / bmm2_scale)")
     if kv_cache.dtype != torch.bfloat16 or not kv_cache.is_contiguous():
         return "latent cache not a contiguous BF16 [pages, page, 576] tensor"
-    if _size(kv_cache.shape[1]) not in (32, 64):
-        return f"cache pages of {_size(kv_cache.shape[1])} rows: the kernel takes 32 or 64"
+    if size_hint(kv_cache.shape[1]) not in (32, 64):
+        return f"cache pages of {size_hint(kv_cache.shape[1])} rows: the kernel takes 32 or 64"
     return None
 
 
@@ -88,8 +83,8 @@ def choose_sparse_mla(option: str, kv_cache: Tensor, *, heads: int, kv_lora: int
     """The kernel a DSA step's sparse MLA runs on ("triton" or "flashinfer") under ``option``
     ("auto": FlashInfer where it can run, "triton", "flashinfer": an error where it cannot);
     decided once per device and layer shape, and logged."""
-    key = (kv_cache.device, option, heads, kv_lora, nope, tuple(_size(d) for d in kv_cache.shape[1:]), kv_cache.dtype,
-           kv_cache.is_contiguous())
+    key = (kv_cache.device, option, heads, kv_lora, nope, tuple(size_hint(d) for d in kv_cache.shape[1:]),
+           kv_cache.dtype, kv_cache.is_contiguous())
     if key not in _CHOSEN:
         if option == "triton":
             kernel, note = "triton", " (asked for)"

@@ -55,7 +55,7 @@ class KimiCache:
         n_dsa = kinds.count("dsa")
         H, D, W = config.kda_heads, config.kda_head_dim, config.kda_conv_width
 
-        def make(shape, dtype, count, layer_dim):
+        def make(shape, dtype, count, layer_dim, device=device, pooled=pooled):
             # One pool with the layer index at ``layer_dim`` (plus a spare layer 0, so views
             # have a storage offset); pooled caches are its strided views, others their copies.
             full = list(shape)
@@ -67,7 +67,9 @@ class KimiCache:
 
         conv = make((num_slots, W - 1, 3 * H * D), torch.bfloat16, n_kda, 1)
         rec = make((num_slots, H, D, D), torch.float32, n_kda, 1)
-        kv = make((num_blocks, block_size, config.latent_dim), torch.bfloat16, n_att, 1)
+        # FP8 latents are seeded as the quantized BF16 draws; those stay on the CPU (none unseeded)
+        kv = make((num_blocks, block_size, config.latent_dim), torch.bfloat16, n_att, 1,
+                  *(("cpu", False) if config.latent_fp8 else ())) if g is not None or not config.latent_fp8 else []
         idx = make((num_blocks, block_size, config.index_head_dim), FP8, n_dsa, 1)
         scl = make((num_blocks, block_size), torch.float32, n_dsa, 1)
         for s in scl:
@@ -77,7 +79,7 @@ class KimiCache:
             kvs = make((num_blocks, block_size), torch.float32, n_att, 1)
             if g is not None:
                 for rows, values, scale in zip(kv, kv8, kvs):
-                    v, s = fp8_pow2_quantize(rows)
+                    v, s = fp8_pow2_quantize(rows.to(device))
                     values.copy_(v)
                     scale.copy_(s)
             kv = list(zip(kv8, kvs))
