@@ -21,6 +21,7 @@ import torch
 
 import dep_compile
 from dep_compile.config import CUBLAS_ONLY
+from dep_compile.tactics import DEP_OPROJ, DEP_PROJECTION
 from dep_compile.stock import KimiCache, RequestBatch, build_model, preset
 from dep_compile.stock.cache import cache_differences
 
@@ -43,7 +44,7 @@ def main() -> None:
     cache = KimiCache.allocate(cfg, num_slots=2 * args.batch, num_blocks=16 * args.batch, block_size=8,
                                device=args.device)
     measured = args.tables == "measured" or (args.tables == "auto" and args.device != "cpu")
-    tables = {} if measured else CUBLAS_ONLY
+    tables = {"projection_tables": DEP_PROJECTION, "oproj_table": DEP_OPROJ} if measured else CUBLAS_ONLY
     g = torch.Generator().manual_seed(1)
     steps = [torch.randint(0, cfg.vocab_size, (args.batch * args.q,), generator=g).to(args.device)
              for _ in range(args.steps)]
