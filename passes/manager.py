@@ -68,7 +68,6 @@ class DepPassManager:
         if self.options.dump_dir:
             dump.write_before(self.options.dump_dir, graph_name, gm)
         ctx = PassContext(gm, example_inputs, self.options, postgrad=postgrad)
-        floats = unspecialized_floats(gm.graph)
         rows: list[LayerMatch] = []
         for i, p in enumerate(self.passes, 1):
             if i > 1 and self.options.dump_dir:
@@ -105,7 +104,8 @@ class DepPassManager:
         for m in report.stock() + report.stock_points():
             if m.kind != "mla":
                 log.warning("kimi_dep: %s %s left stock: %s", m.kind, m.module, m.reason)
-        if floats and any("not a constant" in m.reason for m in report.stock() + report.stock_points()):
+        constants = any("not a constant" in m.reason for m in report.stock() + report.stock_points())
+        if constants and (floats := unspecialized_floats(gm.graph)):  # what the stock layers still read
             log.warning("kimi_dep: %s reads %d Python floats as graph inputs (%s): torch.compile(dynamic=True) does "
                         "not specialize floats, so the layers whose eps or scales they are stay stock; %s",
                         report.graph, len(floats), ", ".join(floats[:4]) + (", ..." if len(floats) > 4 else ""),

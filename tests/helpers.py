@@ -62,6 +62,8 @@ class PairResult:
     cache_errs: dict
     report: object
     steps: int
+    caches: dict  # KimiCache.snapshot() after the steps: through fn
+    ref_caches: dict  # and eager
 
 
 def compare_steps(cfg, model, fn, *, steps=8, batch=3, q=1, pooled=False, dynamic=False, accepted=None,
@@ -96,8 +98,9 @@ def compare_steps(cfg, model, fn, *, steps=8, batch=3, q=1, pooled=False, dynami
             ref = model.step(ids, ref_meta, ref_cache)
             assert torch.isfinite(out).all()
             logits_err = max(logits_err, (out - ref).abs().max().item())
-    errs = cache_differences(cache.snapshot(), ref_cache.snapshot(), fp8_scale=STATE_ATOL / FP8_REL)
-    return PairResult(logits_err, max(errs.values()), errs, dep_compile.last_report(), len(sizes))
+    got, ref = cache.snapshot(), ref_cache.snapshot()
+    errs = cache_differences(got, ref, fp8_scale=STATE_ATOL / FP8_REL)
+    return PairResult(logits_err, max(errs.values()), errs, dep_compile.last_report(), len(sizes), got, ref)
 
 
 def run_pair(cfg, *, options=None, dynamic=False, model=None, **steps) -> PairResult:

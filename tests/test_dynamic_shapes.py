@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import dep_compile
-from dep_compile.stock import KimiCache, RequestBatch, build_model, preset
-from dep_compile.stock.cache import cache_differences
+from dep_compile.stock import build_model, preset
+
+from helpers import compare_steps
 
 OPTIONS = {"inductor": False}  # the rewritten graph itself: bit-exact against stock eager on CPU
 
@@ -24,21 +25,11 @@ def model():
     return build_model(preset("k31-small"), seed=0)
 
 
-def run_steps(model, fn, batch: int, steps: int = 3, q: int = 1):
+def run_steps(model, fn, batch: int, steps: int = 3, q: int = 1) -> tuple[float, float]:
     """``steps`` steps of ``batch`` requests through ``fn`` and through stock eager from the same caches:
     (largest logits difference, largest cache difference)."""
-    cfg = model.config
-    cache = KimiCache.allocate(cfg, num_slots=2 * batch, num_blocks=6 * batch, block_size=16, seed=batch)
-    g = torch.Generator().manual_seed(batch)
-    ids = [torch.randint(0, cfg.vocab_size, (batch * q,), generator=g) for _ in range(steps)]
-    out = {}
-    for name, f in (("eager", model), ("compiled", fn)):
-        c = cache.clone()
-        b = RequestBatch(c, batch, start_len=12)
-        with torch.no_grad():
-            out[name] = [model.step(i, b.step(q), c, fn=f) for i in ids], c.snapshot()
-    logits = max(float((a - r).abs().max()) for a, r in zip(out["compiled"][0], out["eager"][0]))
-    return logits, max(cache_differences(out["compiled"][1], out["eager"][1]).values())
+    r = compare_steps(model.config, model, fn, steps=steps, batch=batch, q=q)
+    return r.logits_err, r.cache_err
 
 
 def rewritten_everything(report) -> bool:

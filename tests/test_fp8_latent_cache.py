@@ -31,17 +31,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-import dep_compile
-from dep_compile.config import CUBLAS_ONLY
 from dep_compile.ops import dsa as dsa_ops
 from dep_compile.stock import KimiCache, RequestBatch, build_model, preset
-from dep_compile.stock.cache import FP8_REL, StepError, cache_differences
+from dep_compile.stock.cache import StepError, cache_differences
 from dep_compile.stock.reference import mla as ref_mla
 from dep_compile.stock.reference.common import fp8_pow2_quantize
 from dep_compile.stock.reference.dsa import sparse_mla_decode_ref
 from dep_compile.stock.reference.mla import mla_decode_ref, token_positions
 
-from helpers import LOGIT_ATOL, STATE_ATOL, same_bits
+from helpers import LOGIT_ATOL, STATE_ATOL, run_pair, same_bits
 from test_rewrite_parity import SPLITK_TABLES
 
 FP8 = torch.float8_e4m3fn
@@ -181,32 +179,11 @@ def test_reference_mutant_scale_ignored_fails(monkeypatch):
 
 # ---- the rewrite ------------------------------------------------------------------------
 
-def _run(cfg, *, steps, q, options=None, batch=3, accepted=None):
-    """``steps`` steps through kimi_dep and eagerly from identical FP8 caches; (report, logits max
-    diff, compiled caches, eager caches)."""
-    model = build_model(cfg, seed=1)
-    opts = {"inductor": False, **CUBLAS_ONLY, **(options or {})}
-    fn = torch.compile(model, backend="kimi_dep", options=opts, fullgraph=True, dynamic=False)
-    cache = KimiCache.allocate(cfg, num_slots=2 * batch + 1, num_blocks=8 * batch + 8, block_size=4, seed=2)
-    ref_cache = cache.clone()
-    reqs = (RequestBatch(cache, batch, start_len=10, seed=batch), RequestBatch(ref_cache, batch, start_len=10,
-                                                                               seed=batch))
-    g = torch.Generator().manual_seed(3)
-    diff = 0.0
-    with torch.no_grad():
-        for i in range(steps):
-            acc = None if accepted is None else accepted(i)
-            ids = torch.randint(0, cfg.vocab_size, (batch * q,), generator=g)
-            out = model.step(ids, reqs[0].step(q, acc), cache, fn=fn)
-            ref = model.step(ids, reqs[1].step(q, acc), ref_cache)
-            diff = max(diff, float((out - ref).abs().max()))
-    return dep_compile.last_report(), diff, cache.snapshot(), ref_cache.snapshot()
-
-
 @pytest.mark.parametrize("q", [1, 2])
 def test_rewrite_exact_against_stock_eager(q):
     cfg = fp8_config()
-    report, diff, got, ref = _run(cfg, steps=5, q=q, accepted=None if q == 1 else (lambda i: [1 + i % 2, 2, 1]))
+    r = run_pair(cfg, steps=5, q=q, accepted=None if q == 1 else (lambda i, b: [1 + i % 2, 2, 1]))
+    report, diff, got, ref = r.report, r.logits_err, r.caches, r.ref_caches
     dsa = report.rewritten("dsa")
     assert len(dsa) == 1 and dsa[0].op == "kimi_dep.dsa_attention_fp8" and dsa[0].validation.startswith("probe")
     assert len(report.rewritten()) == 1 + 6 + 7  # DSA, KDA, MoE; the MLA layer (FP8 too) stays stock
@@ -221,10 +198,10 @@ def test_rewrite_exact_against_stock_eager(q):
 
 
 def test_rewrite_split_k_within_bf16_tolerance():
-    report, diff, got, ref = _run(fp8_config("k31-small", num_layers=4), steps=4, q=2, options=SPLITK_TABLES)
-    assert report.rewritten("dsa")[0].op == "kimi_dep.dsa_attention_fp8"
-    errs = cache_differences(got, ref, fp8_scale=STATE_ATOL / FP8_REL)
-    assert "layer.3.kv_cache" in errs and diff < LOGIT_ATOL and max(errs.values()) < STATE_ATOL, (diff, errs)
+    r = run_pair(fp8_config("k31-small", num_layers=4), steps=4, q=2, options=SPLITK_TABLES)
+    assert r.report.rewritten("dsa")[0].op == "kimi_dep.dsa_attention_fp8"
+    errs = r.cache_errs
+    assert "layer.3.kv_cache" in errs and r.logits_err < LOGIT_ATOL and r.cache_err < STATE_ATOL, (r.logits_err, errs)
 
 
 def _scale_ignored(real):
@@ -240,17 +217,17 @@ def test_mutant_scale_ignored_is_caught(monkeypatch):
     real = dsa_ops.stock_ops.sparse_mla_decode_fp8
     monkeypatch.setattr(dsa_ops.stock_ops, "sparse_mla_decode_fp8", _scale_ignored(real))
     cfg = fp8_config("k31-small", num_layers=4)
-    report, *_ = _run(cfg, steps=1, q=1)
+    report = run_pair(cfg, steps=1, q=1).report
     dsa = report.layers[[m.kind for m in report.layers].index("dsa")]
     assert not dsa.rewritten and dsa.reason.startswith("semantic check failed"), dsa.reason
     torch._dynamo.reset()
-    report, diff, got, ref = _run(cfg, steps=2, q=1, options={"validate": False})
-    assert report.rewritten("dsa") and diff > LOGIT_ATOL
+    r = run_pair(cfg, steps=2, q=1, options={"validate": False})
+    assert r.report.rewritten("dsa") and r.logits_err > LOGIT_ATOL
 
 
 def test_prepared_layer_checks_the_cache_format():
     cfg = fp8_config("k31-small", num_layers=4)
-    report, *_ = _run(cfg, steps=1, q=1)
+    report = run_pair(cfg, steps=1, q=1).report
     from dep_compile.ops.registry import _PREPARED, lookup
 
     module = report.rewritten("dsa")[0].module

@@ -153,10 +153,11 @@ class PreparedDsa:
 
     def check_latent_cache(self, kv_cache: Tensor, kv_scale: Tensor | None) -> None:
         """The latent cache is in the format this layer was prepared for (a clear error otherwise)."""
-        fp8 = self.latent_cache == "float8_e4m3fn"
-        ok = (kv_scale is not None and kv_cache.dtype == torch.float8_e4m3fn and kv_scale.dtype == torch.float32
-              and tuple(kv_scale.shape) == tuple(kv_cache.shape[:2])) if fp8 else (
-              kv_scale is None and kv_cache.dtype == torch.bfloat16)
+        if self.latent_cache == "float8_e4m3fn":
+            ok = (kv_scale is not None and kv_cache.dtype == torch.float8_e4m3fn and kv_scale.dtype == torch.float32
+                  and kv_scale.shape == kv_cache.shape[:2])
+        else:
+            ok = kv_scale is None and kv_cache.dtype == torch.bfloat16
         if not ok:
             raise ValueError(f"kimi_dep DSA layer prepared for a {self.latent_cache} latent cache got {kv_cache.dtype} "
                              f"{list(kv_cache.shape)} with kv_scale "

@@ -88,15 +88,20 @@ def _row_bytes(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> int:
     return kv_cache.element_size() if kv_scale is None else 7
 
 
+def _insert_fp8_rows(cache: torch.Tensor, scales: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor) -> None:
+    """``rows [T, W]`` as FP8 values into ``cache [NB, BS, W]`` and power-of-two scales into ``scales [NB, BS]``."""
+    values, scale = _quantize_keys(rows)  # [T, W] FP8, [T] FP32
+    insert_rows_paged(cache, slot_mapping, values)
+    insert_rows_paged(scales.unsqueeze(-1), slot_mapping, scale.unsqueeze(-1))
+
+
 def _insert_latent(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None, slot_mapping: torch.Tensor,
                    latent: torch.Tensor) -> None:
     """The latent insert: rows as they are, or FP8 values and their power-of-two scales (``kv_scale``)."""
     if kv_scale is None:
         insert_rows_paged(kv_cache, slot_mapping, latent)
-        return
-    values, scale = _quantize_keys(latent)  # [T, W] FP8, [T] FP32
-    insert_rows_paged(kv_cache, slot_mapping, values)
-    insert_rows_paged(kv_scale.unsqueeze(-1), slot_mapping, scale.unsqueeze(-1))
+    else:
+        _insert_fp8_rows(kv_cache, kv_scale, slot_mapping, latent)
 
 
 def _inductor_on_cuda(fn):
@@ -271,7 +276,5 @@ def dsa_indexer_batched(
     seq_lens: torch.Tensor, q_len: int, topk: int,
 ) -> torch.Tensor:
     """FP8 index-key insert + ReLU-weighted logits + top-k; [T, topk] int32 (see dsa_indexer_ref)."""
-    values, k_scale = _quantize_keys(k)  # [T, Di] FP8, [T] FP32
-    insert_rows_paged(index_cache, slot_mapping, values)
-    insert_rows_paged(index_scale.unsqueeze(-1), slot_mapping, k_scale.unsqueeze(-1))
+    _insert_fp8_rows(index_cache, index_scale, slot_mapping, k)
     return _indexer_core(q_idx, weights, index_cache, index_scale, slot_mapping, block_table, seq_lens, q_len, topk)

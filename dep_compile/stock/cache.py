@@ -67,15 +67,17 @@ class KimiCache:
 
         conv = make((num_slots, W - 1, 3 * H * D), torch.bfloat16, n_kda, 1)
         rec = make((num_slots, H, D, D), torch.float32, n_kda, 1)
-        # FP8 latents are seeded as the quantized BF16 draws; those stay on the CPU (none unseeded)
-        kv = make((num_blocks, block_size, config.latent_dim), torch.bfloat16, n_att, 1,
-                  *(("cpu", False) if config.latent_fp8 else ())) if g is not None or not config.latent_fp8 else []
+        latent = (num_blocks, block_size, config.latent_dim)
+        if not config.latent_fp8:
+            kv = make(latent, torch.bfloat16, n_att, 1)
+        else:  # seeded as the quantized BF16 draws, drawn here (the other caches' draws stay as they are), on the CPU
+            kv = make(latent, torch.bfloat16, n_att, 1, "cpu", False) if g is not None else []
         idx = make((num_blocks, block_size, config.index_head_dim), FP8, n_dsa, 1)
         scl = make((num_blocks, block_size), torch.float32, n_dsa, 1)
         for s in scl:
             s.abs_().add_(0.01)  # scales are positive
         if config.latent_fp8:  # pools made last: the BF16 caches' random draws are unchanged
-            kv8 = make((num_blocks, block_size, config.latent_dim), FP8, n_att, 1)
+            kv8 = make(latent, FP8, n_att, 1)
             kvs = make((num_blocks, block_size), torch.float32, n_att, 1)
             if g is not None:
                 for rows, values, scale in zip(kv, kv8, kvs):

@@ -49,6 +49,12 @@ def _(q, k, v, g_raw, beta, g_out, conv_weight, A_log, dt_bias, o_norm_weight, c
     return torch.empty_like(q)
 
 
+def _attention_out(q: Tensor, kv_b_weight: Tensor, nope: int) -> Tensor:
+    """The fake output of an MLA-family op: [T, H*v] in q's dtype (v from ``kv_b_weight [H*(nope+v), L]``)."""
+    heads = q.shape[1]
+    return q.new_empty(q.shape[0], heads * (kv_b_weight.shape[0] // heads - nope))
+
+
 @torch.library.custom_op("kimi_k3::mla_decode", mutates_args=("kv_cache",))
 def mla_decode(
     q: Tensor, latent: Tensor, kv_b_weight: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
@@ -61,9 +67,7 @@ def mla_decode(
 
 @mla_decode.register_fake
 def _(q, latent, kv_b_weight, kv_cache, slot_mapping, block_table, seq_lens, q_len, scale, nope):
-    heads = q.shape[1]
-    v = kv_b_weight.shape[0] // heads - nope
-    return q.new_empty(q.shape[0], heads * v)
+    return _attention_out(q, kv_b_weight, nope)
 
 
 @torch.library.custom_op("kimi_k3::mla_decode_fp8", mutates_args=("kv_cache", "kv_scale"))
@@ -79,9 +83,7 @@ def mla_decode_fp8(
 
 @mla_decode_fp8.register_fake
 def _(q, latent, kv_b_weight, kv_cache, kv_scale, slot_mapping, block_table, seq_lens, q_len, scale, nope):
-    heads = q.shape[1]
-    v = kv_b_weight.shape[0] // heads - nope
-    return q.new_empty(q.shape[0], heads * v)
+    return _attention_out(q, kv_b_weight, nope)
 
 
 @torch.library.custom_op("kimi_k3::dsa_indexer", mutates_args=("index_cache", "index_scale"))
@@ -111,9 +113,7 @@ def sparse_mla_decode(
 
 @sparse_mla_decode.register_fake
 def _(q, latent, kv_b_weight, kv_cache, slot_mapping, block_table, topk_indices, q_len, scale, nope):
-    heads = q.shape[1]
-    v = kv_b_weight.shape[0] // heads - nope
-    return q.new_empty(q.shape[0], heads * v)
+    return _attention_out(q, kv_b_weight, nope)
 
 
 @torch.library.custom_op("kimi_k3::sparse_mla_decode_fp8", mutates_args=("kv_cache", "kv_scale"))
@@ -129,9 +129,7 @@ def sparse_mla_decode_fp8(
 
 @sparse_mla_decode_fp8.register_fake
 def _(q, latent, kv_b_weight, kv_cache, kv_scale, slot_mapping, block_table, topk_indices, q_len, scale, nope):
-    heads = q.shape[1]
-    v = kv_b_weight.shape[0] // heads - nope
-    return q.new_empty(q.shape[0], heads * v)
+    return _attention_out(q, kv_b_weight, nope)
 
 
 @torch.library.custom_op("kimi_k3::routed_experts", mutates_args=())

@@ -5,17 +5,15 @@ from __future__ import annotations
 import torch
 
 from .common import fp8_pow2_quantize
-from .mla import (absorb_query, attend_latent, gather_context, gather_latent, insert_latent, insert_rows, project_out,
-                  split_kv_b, token_positions)
+from .mla import (absorb_query, attend_latent, gather_context, gather_latent, insert_fp8_rows, insert_latent,
+                  project_out, split_kv_b, token_positions)
 
 
 def insert_index_keys(
     k: torch.Tensor, index_cache: torch.Tensor, index_scale: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Quantize normed index keys k [T, Di] to FP8 (pow2 scale per token) and insert them."""
-    values, scale = fp8_pow2_quantize(k)
-    insert_rows(index_cache, slot_mapping, values)
-    insert_rows(index_scale.unsqueeze(-1), slot_mapping, scale.unsqueeze(-1))
+    insert_fp8_rows(index_cache, index_scale, slot_mapping, k)
 
 
 def index_logits(

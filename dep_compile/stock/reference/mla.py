@@ -20,16 +20,21 @@ def insert_rows(cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Ten
     cache[slots // bs, slots % bs] = rows[valid].to(cache.dtype)  # any strides: caches may be pool views
 
 
+def insert_fp8_rows(cache: torch.Tensor, scales: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor) -> None:
+    """Quantize ``rows [T, W]`` to FP8 e4m3 with one power-of-two scale per row (``fp8_pow2_quantize``)
+    and insert values into ``cache [NB, BS, W]``, scales into ``scales [NB, BS]``."""
+    values, scale = fp8_pow2_quantize(rows)  # [T, W] FP8, [T] FP32
+    insert_rows(cache, slot_mapping, values)
+    insert_rows(scales.unsqueeze(-1), slot_mapping, scale.unsqueeze(-1))
+
+
 def insert_latent(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None, slot_mapping: torch.Tensor,
                   latent: torch.Tensor) -> None:
-    """Insert latent rows ``[T, W]``: as they are, or (``kv_scale`` given) quantized to FP8 e4m3 with
-    one power-of-two scale per token (``fp8_pow2_quantize``), the scale into ``kv_scale [NB, BS]``."""
+    """Insert latent rows ``[T, W]``: as they are, or (``kv_scale`` given) as FP8 rows and scales."""
     if kv_scale is None:
         insert_rows(kv_cache, slot_mapping, latent)
-        return
-    values, scale = fp8_pow2_quantize(latent)  # [T, W] FP8, [T] FP32
-    insert_rows(kv_cache, slot_mapping, values)
-    insert_rows(kv_scale.unsqueeze(-1), slot_mapping, scale.unsqueeze(-1))
+    else:
+        insert_fp8_rows(kv_cache, kv_scale, slot_mapping, latent)
 
 
 def token_positions(seq_lens: torch.Tensor, q_len: int) -> torch.Tensor:
