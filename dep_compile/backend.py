@@ -41,22 +41,14 @@ def kimi_dep(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, options
 
 
 def mutated_inputs(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
-    """The placeholders some call writes in place (a schema argument marked ``(a!)``, or a ``x.op_()`` method)."""
+    """The placeholders some call writes in place (``passes.calls.written``: a schema argument marked ``(a!)``,
+    a ``x.op_()`` method, ...)."""
+    from .passes.calls import written
+
     placeholders = set(gm.graph.find_nodes(op="placeholder"))
     out: dict[torch.fx.Node, None] = {}
     for node in gm.graph.nodes:
-        written: list = []
-        if node.op == "call_method" and node.target.endswith("_") and not node.target.endswith("__"):
-            written = node.args[:1]
-        elif node.op == "call_function":
-            t = node.target
-            if isinstance(t, torch._ops.OpOverloadPacket):
-                t = getattr(t, "default", None)
-            if isinstance(t, torch._ops.OpOverload):
-                for i, a in enumerate(t._schema.arguments):
-                    if a.alias_info is not None and a.alias_info.is_write:
-                        written.append(node.args[i] if i < len(node.args) else node.kwargs.get(a.name))
-        out.update((w, None) for w in written if w in placeholders)
+        out.update((w, None) for w in written(node) if w in placeholders)
     return list(out)
 
 

@@ -14,12 +14,15 @@ from dep_compile.config import DepOptions, OptionError
 from dep_compile.debug.report import LayerMatch
 from dep_compile.ops.packing import pack_params
 from dep_compile.ops.registry import register
+from dep_compile.ops.shapes import size_hint
 
 from . import validate
+from .calls import (AF_V2, NoMatch, base_outputs, is_call, is_functionalized, layer_index, module_path, op_name,
+                    position, require, val, writes)
+from .calls import result as call_result
 from .functionalized import eager_vals, replace_functionalized
-from .fx_match import (AF_V2, NoMatch, base_outputs, is_call, is_functionalized, is_plumbing, layer_index,
-                       module_path, op_name, position, require, val)
-from .fx_match import result as call_result
+from .validate import ProbeInputs, ProbeRandom, compare_as_stored
+from .walkers import is_plumbing
 
 Node = fx.Node
 log = logging.getLogger("dep_compile")
@@ -86,15 +89,16 @@ class PassContext:
         require(out is not None, "the op's output is not read once", node)
         return out
 
-    def layer_region(self, x: Node, output: Node, limit: int = 2000) -> set[Node]:
+    def layer_region(self, x: Node, output: Node, stops: Sequence[Node] = (), limit: int = 2000) -> set[Node]:
         """The nodes between the layer input ``x`` and ``output``: ancestors of ``output`` that depend on ``x``.
 
-        The walk stops at ``x`` and at graph inputs, so it stays inside one layer.
+        The walk stops at ``x``, at graph inputs and at ``stops`` (state the graph computes earlier and the
+        region reads, as AttnRes's prefix and bank), so it stays inside one layer.
         """
-        seen, stack = set(), [output]
+        seen, stack, stops = set(), [output], set(stops)
         while stack:
             n = stack.pop()
-            if n in seen or n is x or n.op in ("placeholder", "get_attr"):
+            if n in seen or n is x or n in stops or n.op in ("placeholder", "get_attr"):
                 continue
             if self.postgrad and position(n) < position(x):
                 continue  # post-grad graphs are reordered for locality: a weight's permute/cast may sit earlier
@@ -108,28 +112,40 @@ class PassContext:
                 depends.add(n)
         return depends
 
-    def verified_region(self, x: Node, output: Node, claimed: set[Node]) -> set[Node]:
+    def verified_region(self, x: Node, output: Node, claimed: set[Node], stops: Sequence[Node] = (),
+                        span: str = "inside the layer") -> set[Node]:
         """The layer region, after checking that the walkers accounted for each node in it.
 
-        A node no walker claimed must be value-preserving plumbing (``fx_match.is_plumbing``: a
+        A node no walker claimed must be value-preserving plumbing (``walkers.is_plumbing``: a
         reshaping view, ``contiguous``, a cast to the dtype it already has); any other op means the
         layer computes something the rewrite would not, so it stays stock.
         """
-        region = self.layer_region(x, output)
+        region = self.layer_region(x, output, stops)
         for n in sorted(region - claimed, key=position):
             require(is_plumbing(n), f"unmatched op {op_name(n) or getattr(n.target, '__name__', n.target)} "
-                    f"({n.name}) inside the layer: its meaning is not accounted for", n)
+                    f"({n.name}) {span}: its meaning is not accounted for", n)
         return region
 
     def commit(self, found: "Found", *, x: Node, output: Node, claimed: set[Node], target, args: tuple,
-               prepared: Any, roles: dict, shapes: dict, pack: Sequence[tuple[list[Node], str]] = ()) -> Node:
-        """Check the region, observe the replacement on a random probe, then rewrite.
+               prepared: Any, probe: Callable[[ProbeRandom], ProbeInputs],
+               compared: Callable[[dict], dict] = compare_as_stored, pack: Sequence[tuple[list[Node], str]] = (),
+               stops: Sequence[Node] = (), check: Callable[[set[Node]], None] | None = None,
+               span: str = "inside the layer") -> Node:
+        """Check the region, observe the replacement on a random probe, then rewrite: the one way every
+        pass changes the graph.
 
-        ``args`` holds ``None`` where the op's ``layer`` string goes; ``pack``: the weight groups to
-        pack zero-copy once compile_fx returns. Nothing in the graph changes until every check passed.
+        The region is what lies between the input ``x`` and ``output`` (``layer_region``, its walk also
+        stopping at ``stops``); ``claimed``: the nodes the pass's walkers accounted for (the rest must be
+        plumbing; ``span`` says where, in the report); ``check(region)``: what else the family requires of
+        it. ``args`` holds ``None`` where the op's ``layer`` string goes (an op without one has no
+        ``None``; ``prepared`` is then None too). ``probe`` builds the family's random probe inputs and
+        ``compared`` says what of its caches to compare (``validate.Probe``). ``pack``: the weight groups
+        to pack zero-copy once compile_fx returns. Nothing in the graph changes until every check passed.
         """
-        region = self.verified_region(x, output, claimed)
+        region = self.verified_region(x, output, claimed, stops, span)
         self.check_region(region, output)
+        if check is not None:
+            check(region)
         if self.postgrad and target._schema.is_mutable:
             for n in region:
                 require(not is_functionalized(n) or n.target is AF_V2, "mutating op is wrapped in "
@@ -138,20 +154,21 @@ class PassContext:
         fx.node.map_arg(args, flat.append)
         for n in flat:
             require(n is x or n not in region, f"the op's argument {n.name} is computed inside the layer", n)
-        key_index = list(args).index(None)
+        key_index = next((i for i, a in enumerate(args) if a is None), None)
         if self.options.validate:
-            probe = validate.Probe(region, x, output, target, tuple(args), key_index, prepared, found.module, roles,
-                                   shapes)
+            observed = validate.Probe(region, x, output, target, tuple(args), key_index, prepared, found.module,
+                                      probe, compared)
             t0 = time.perf_counter()
             try:
-                sig = validate.signature(probe)
+                sig = validate.signature(observed)
                 if sig not in self.verdicts:  # one probe per structure: a failed one raised, leaving none
-                    self.verdicts[sig] = validate.check(probe, self.gm, self.real)
+                    self.verdicts[sig] = validate.check(observed, self.gm, self.real)
                 self.verdict = self.verdicts[sig]
             finally:
                 self.validate_seconds += time.perf_counter() - t0
-        key = register(found.module, prepared)
-        args = tuple(key if i == key_index else a for i, a in enumerate(args))
+        if key_index is not None:
+            key = register(found.module, prepared)
+            args = tuple(key if i == key_index else a for i, a in enumerate(args))
         for nodes, what in pack:
             self.pack(nodes, what)
         self.mutating = True
@@ -216,14 +233,7 @@ _aten = torch.ops.aten
 
 def _pure(node: Node) -> bool:
     """A computation node that writes nothing (safe to erase once unused)."""
-    if node.op == "call_method":
-        return not node.target.endswith("_")
-    if node.op != "call_function":
-        return False
-    packet = getattr(node.target, "overloadpacket", node.target)
-    if isinstance(packet, torch._ops.OpOverloadPacket):
-        return not any(getattr(packet, o)._schema.is_mutable for o in packet.overloads())
-    return not getattr(node.target, "__name__", "").endswith("_")
+    return node.op in ("call_function", "call_method") and not writes(node)
 
 
 def strip_view(node: Any) -> Any:
@@ -310,6 +320,19 @@ def check_q_len(q_len: Any, max_q: int, node: Node) -> None:
     require(q_len <= max_q, f"prefill-shaped step: q_len={q_len} > max_q={max_q}", node)
 
 
+def probe_step(rng: ProbeRandom, x: Node, q_len: Any) -> tuple[dict, int, int]:
+    """The probe's step: a random layer input ``x`` [T, ...] read as B requests of q tokens (``q_len`` an
+    int, or a SymInt node, given its hint): ({node: probe value}, B, q)."""
+    xv = val(x)
+    tokens = size_hint(xv.shape[0])
+    q = size_hint(val(q_len)) if isinstance(q_len, Node) else int(q_len)
+    require(tokens % q == 0, f"semantic check: {tokens} tokens are not whole requests of q_len={q}", x)
+    values = {x: rng.randn(xv.shape, xv.dtype)}
+    if isinstance(q_len, Node):
+        values[q_len] = q
+    return values, tokens // q, q
+
+
 def check_only_user(cache: Node, user: Node, what: str) -> None:
     """Mutation safety: the cache's only reader/writer in the graph is the op being replaced.
 
@@ -321,4 +344,4 @@ def check_only_user(cache: Node, user: Node, what: str) -> None:
 
 
 __all__ = ["PassContext", "LayerPass", "Found", "NoMatch", "require", "check_bf16", "check_only_user", "check_q_len",
-           "strip_view"]
+           "probe_step", "strip_view"]

@@ -28,17 +28,20 @@ is plumbing; then translation validation.
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 import torch
 
 from dep_compile.ops.dsa import PreparedDsa
 from dep_compile.ops.projection import DepProjection
+from dep_compile.ops.shapes import size_hint
 from dep_compile.ops.sparse_mla import reserve_sparse_mla
 
-from .base import Found, LayerPass, PassContext, check_bf16, check_only_user, check_q_len
-from .fx_match import (call, cast_to, constant, is_call, linear, match_layer_norm, match_rms_norm, match_tree, op_args,
-                       part_of, producer, require, single_user, skip_identity, unview, upcast_from, val)
-from .validate import shapes_of
+from .base import Found, LayerPass, PassContext, check_bf16, check_only_user, check_q_len, probe_step
+from .calls import call, constant, is_call, op_args, op_name, producer, require, shapes_of, single_user, val
+from .trees import factors, match_layer_norm, match_rms_norm
+from .validate import ProbeInputs, ProbeRandom
+from .walkers import cast_to, linear, part_of, skip_identity, unview, upcast_from
 
 Node = torch.fx.Node
 SPARSE_MLA = torch.ops.kimi_k3.sparse_mla_decode
@@ -47,6 +50,25 @@ INDEXER = torch.ops.kimi_k3.dsa_indexer
 DSA_ATTENTION = torch.ops.kimi_dep.dsa_attention
 DSA_ATTENTION_FP8 = torch.ops.kimi_dep.dsa_attention_fp8
 ROLES = ("q_a", "kv_a", "gate", "wk", "wv")
+FP8 = torch.float8_e4m3fn
+
+
+class DsaCache(enum.Enum):
+    """The caches a DSA layer writes (the names the probe's verdict gives them), in the probe's draw order."""
+
+    KV = "kv_cache"  # latent rows [NB, BS, kv_lora + rope], BF16 or FP8 e4m3
+    INDEX = "index_cache"  # FP8 index keys [NB, BS, index_dim]
+    INDEX_SCALE = "index_scale"  # FP32 [NB, BS]
+    KV_SCALE = "kv_scale"  # FP32 [NB, BS], an FP8 latent cache only
+
+
+# Random probe contents by cache: index keys and FP8 latent rows as e4m3 codes, scales powers of two or positive.
+_PROBE_CACHE = {
+    DsaCache.INDEX: lambda t, dtype: t.mul(4).clamp(-8, 8).to(FP8),
+    DsaCache.INDEX_SCALE: lambda t, dtype: t.abs().add(0.01).to(dtype),
+    DsaCache.KV_SCALE: lambda t, dtype: torch.exp2(t.round().clamp(-2, 2) - 6).to(dtype),
+    DsaCache.KV: lambda t, dtype: t.mul(32).clamp(-448, 448).to(FP8) if dtype == FP8 else (t * 0.5).to(dtype),
+}
 
 
 def _rows(node, what, claimed):
@@ -93,7 +115,6 @@ class DsaMatch:
     output: Node
     mla: dict  # the sparse MLA op's arguments by name
     indexer: dict  # the indexer op's arguments by name
-    indexer_node: Node
     heads: int
     rope: int
     q_lora: int
@@ -105,6 +126,54 @@ class DsaMatch:
     claimed: set
     latent_cache: str  # "bfloat16" | "float8_e4m3fn" (kv_scale in mla)
     mla_op: object  # the sparse MLA overload matched: SPARSE_MLA or SPARSE_MLA_FP8 (.default)
+    cache_shapes: dict  # cache name -> the shape the ops see (post-grad: a view of a pooled base)
+
+    def caches(self) -> dict:
+        """The caches the layer writes, by role."""
+        a, ia = self.mla, self.indexer
+        nodes = {DsaCache.KV: a["kv_cache"], DsaCache.INDEX: ia["index_cache"], DsaCache.INDEX_SCALE: ia["index_scale"],
+                 DsaCache.KV_SCALE: a.get("kv_scale")}
+        return {role: n for role, n in nodes.items() if n is not None}
+
+    def probe_inputs(self, rng: ProbeRandom) -> ProbeInputs:
+        """A random step for the probe: paged caches of a few blocks a request, two requests longer than
+        the indexer's top-k (so its selection matters), the others short, in shuffled blocks."""
+        a, ia = self.mla, self.indexer
+        values, B, q = probe_step(rng, self.x, a["q_len"])
+        bs = size_hint(self.cache_shapes["kv_cache"][1])
+        long = int(ia["topk"]) + 2 * bs + q
+        lens = [long if b < 2 else q + int(torch.randint(0, 2 * bs, (1,), generator=rng.g)) for b in range(B)]
+        need = [-(-n // bs) for n in lens]
+        blocks = sum(need) + 1
+        perm = torch.randperm(blocks, generator=rng.g)
+        table = torch.empty(B, -(-max(lens) // bs), dtype=torch.int64)
+        used = 0
+        for b in range(B):
+            table[b, : need[b]] = perm[used: used + need[b]]
+            table[b, need[b]:] = perm[-1]
+            used += need[b]
+        pos = torch.tensor([n - q + i for n in lens for i in range(q)])
+        req = torch.arange(B).repeat_interleave(q)
+        meta = {a["block_table"]: table, ia["seq_lens"]: torch.tensor(lens),
+                a["slot_mapping"]: table[req, pos // bs] * bs + pos % bs}
+        for node, t in meta.items():
+            values[node] = t.to(val(node).dtype).to(rng.device)
+        caches = self.caches()
+        for role, node in caches.items():
+            rest = tuple(size_hint(d) for d in self.cache_shapes[role.value][1:])
+            t = torch.randn((blocks, *rest), generator=rng.g)
+            values[node] = _PROBE_CACHE[role](t, val(node).dtype).to(rng.device)
+        return ProbeInputs(values, caches, B * q)
+
+
+def dequantized(caches: dict) -> dict:
+    """The DSA caches to compare, by name: FP8 index keys and FP8 latent rows times their per-token scales
+    (codes alone are not comparable)."""
+    out = {"kv_cache": caches[DsaCache.KV]}
+    if DsaCache.KV_SCALE in caches:
+        out["kv_cache"] = caches[DsaCache.KV].float() * caches[DsaCache.KV_SCALE].float().unsqueeze(-1)
+    out["index_keys"] = caches[DsaCache.INDEX].float() * caches[DsaCache.INDEX_SCALE].float().unsqueeze(-1)
+    return out
 
 
 def find_dsa(ctx: PassContext, S: Node) -> DsaMatch:
@@ -153,12 +222,13 @@ def find_dsa(ctx: PassContext, S: Node) -> DsaMatch:
     require(o_cast is not None, "the gate product has several users", o_f)
     gated = cast_to(o_cast, torch.bfloat16, "the gated output", claimed)
     require(val(gated).dtype == torch.float32, "the gate product is not FP32", gated)
-    binds: dict = {}
-    require(match_tree(gated, ("mul", ("var", "o"), ("sigmoid", ("var", "gate"))), binds, claimed),
-            "the gated output is not o * sigmoid(gate)", gated)
-    require(upcast_from(binds["o"], torch.bfloat16, "the attention output in the gate", claimed) is S_out,
+    o, sig = factors(gated, "mul", "the gated output (o * sigmoid(gate))", claimed)
+    if op_name(o) == "sigmoid":
+        o, sig = sig, o
+    gate = call(sig, "sigmoid", "the gated output's gate factor (o * sigmoid(gate))", claimed)["input"]
+    require(upcast_from(o, torch.bfloat16, "the attention output in the gate", claimed) is S_out,
             "the gate multiplies something other than the sparse MLA output", gated)
-    gate = upcast_from(binds["gate"], torch.bfloat16, "the gate", claimed)
+    gate = upcast_from(gate, torch.bfloat16, "the gate", claimed)
     o_user = single_user(o_cast)
     require(o_user is not None, "the gated output has several users", o_cast)
     o_lin = linear(o_user, "o_proj", claimed)
@@ -176,7 +246,9 @@ def find_dsa(ctx: PassContext, S: Node) -> DsaMatch:
             "index keys / weights widths differ from the indexer query's", I)
     check_bf16("DSA activations/weights", x, q_b.w, wq_b.w, o_lin.w, a["q"], a["latent"], ia["q_idx"],
                ia["weights"], ia["k"], *pack)
-    latent_cache = check_latent_cache(S, mla_op, a)
+    latent = ("kv_cache", "kv_scale") if mla_op is SPARSE_MLA_FP8.default else ("kv_cache",)
+    shapes = {**shapes_of(S, mla_op, latent), **shapes_of(I, INDEXER.default, ("index_cache", "index_scale"))}
+    latent_cache = check_latent_cache(mla_op, a, shapes)
     for n in (a["kv_cache"], ia["index_cache"], ia["index_scale"]) + ((a["kv_scale"],) if "kv_scale" in a else ()):
         check_only_user(n, I if n in (ia["index_cache"], ia["index_scale"]) else S, n.name)
     check_q_len(a["q_len"], ctx.options.max_q, S)
@@ -184,15 +256,15 @@ def find_dsa(ctx: PassContext, S: Node) -> DsaMatch:
                     (q_a_norm_w, "q_a norm weight"), (kv_a_norm_w, "kv_a norm weight"),
                     (k_norm_w, "k_norm weight"), (k_norm_b, "k_norm bias")):
         ctx.param(w, what)
-    return DsaMatch(x, pack, q_a_norm_w, kv_a_norm_w, q_b.w, wq_b.w, k_norm_w, k_norm_b, o_lin.w, o_user, a, ia, I,
+    return DsaMatch(x, pack, q_a_norm_w, kv_a_norm_w, q_b.w, wq_b.w, k_norm_w, k_norm_b, o_lin.w, o_user, a, ia,
                     H, rope, q_lora, kv_lora, gate_width, Hi, Di, (q_a_eps, kv_a_eps, k_eps), claimed, latent_cache,
-                    mla_op=mla_op)
+                    mla_op, shapes)
 
 
-def check_latent_cache(S: Node, mla_op, a: dict) -> str:
-    """The latent cache format of sparse-MLA call ``S``: "bfloat16" (the BF16 op on a BF16 cache) or
-    "float8_e4m3fn" (the FP8 op on an FP8 e4m3 cache with an FP32 [NB, BS] scale tensor)."""
-    shapes = shapes_of(S, mla_op, ("kv_cache", "kv_scale") if mla_op is SPARSE_MLA_FP8.default else ("kv_cache",))
+def check_latent_cache(mla_op, a: dict, shapes: dict) -> str:
+    """The latent cache format of a sparse-MLA call (``a``: its arguments, ``shapes``: its caches'):
+    "bfloat16" (the BF16 op on a BF16 cache) or "float8_e4m3fn" (the FP8 op on an FP8 e4m3 cache with an
+    FP32 [NB, BS] scale tensor)."""
     dtype = val(a["kv_cache"]).dtype
     if mla_op is SPARSE_MLA.default:
         require(dtype == torch.bfloat16, f"latent cache is {dtype}, not bfloat16 (the BF16 sparse MLA op)",
@@ -233,18 +305,12 @@ class DsaPass(LayerPass):
                 "packed rows do not add up to q_a | kv_a | gate | wk | wv", found.anchor)
         # the sparse-MLA kernel, chosen (and FlashInfer's workspace allocated) now, outside any graph
         reserve_sparse_mla(opts.sparse_mla, val(a["kv_cache"]), heads=m.heads, kv_lora=m.kv_lora, nope=int(a["nope"]))
-        roles = {"kv_cache": a["kv_cache"], **({"kv_scale": a["kv_scale"]} if fp8 else {}),
-                 "index_cache": ia["index_cache"], "index_scale": ia["index_scale"], "slot_mapping": a["slot_mapping"],
-                 "block_table": a["block_table"], "seq_lens": ia["seq_lens"],
-                 "q_len": a["q_len"], "topk": int(ia["topk"])}
-        shapes = {**shapes_of(found.anchor, m.mla_op, ("kv_cache", "kv_scale") if fp8 else ("kv_cache",)),
-                  **shapes_of(m.indexer_node, INDEXER.default, ("index_cache", "index_scale"))}
         target, op = ((DSA_ATTENTION_FP8, "kimi_dep.dsa_attention_fp8") if fp8
                       else (DSA_ATTENTION, "kimi_dep.dsa_attention"))
         ctx.commit(found, x=m.x, output=m.output, claimed=m.claimed, target=target.default, args=(
             m.x, m.pack, m.q_a_norm_w, m.kv_a_norm_w, m.q_b_w, a["kv_b_weight"], m.wq_b_w, m.k_norm_w, m.k_norm_b,
             m.o_w, a["kv_cache"], *((a["kv_scale"],) if fp8 else ()), ia["index_cache"], ia["index_scale"],
-            a["slot_mapping"], a["block_table"], ia["seq_lens"], a["q_len"], None), prepared=prepared, roles=roles,
-            shapes=shapes, pack=[(m.pack, "DSA projection")])
+            a["slot_mapping"], a["block_table"], ia["seq_lens"], a["q_len"], None), prepared=prepared,
+            probe=m.probe_inputs, compared=dequantized, pack=[(m.pack, "DSA projection")])
         tactics = {p.name: p.policies(opts.batches) for p in (prepared.projection, prepared.o_proj)}
         return op, tactics

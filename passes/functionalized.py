@@ -7,7 +7,7 @@ import operator
 
 import torch.fx as fx
 
-from .fx_match import AF_V2, base_outputs, is_functionalized, position, require, val
+from .calls import AF_V2, base_outputs, is_functionalized, mutated_names, position, require, val
 
 Node = fx.Node
 
@@ -22,7 +22,7 @@ def replace_functionalized(graph: fx.Graph, region: set[Node], output: Node, tar
     """
     schema = target._schema
     names = [a.name for a in schema.arguments]
-    mutated = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    mutated = mutated_names(schema)
     olds = sorted((n for n in region if is_functionalized(n)), key=position)
     for n in olds:
         require(n.target is AF_V2, "mutating op is wrapped in auto_functionalized v1; only v2 is rewritten "

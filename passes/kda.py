@@ -21,19 +21,28 @@ q_len at most ``max_q``; every other node of the layer is plumbing; then transla
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 import torch
 
 from dep_compile.ops.kda import PreparedKda
 from dep_compile.ops.projection import DepProjection
 
-from .base import Found, LayerPass, PassContext, check_bf16, check_only_user, check_q_len
-from .fx_match import constant, linear, op_args, part_of, require, single_user, skip_identity, val
-from .validate import shapes_of
+from .base import Found, LayerPass, PassContext, check_bf16, check_only_user, check_q_len, probe_step
+from .calls import constant, op_args, require, shapes_of, single_user, val
+from .validate import ProbeInputs, ProbeRandom
+from .walkers import linear, part_of, skip_identity
 
 Node = torch.fx.Node
 KDA_CORE = torch.ops.kimi_k3.kda_core
 KDA_ATTENTION = torch.ops.kimi_dep.kda_attention
+
+
+class KdaState(enum.Enum):
+    """The per-request states a KDA layer writes (the names the probe's verdict gives them)."""
+
+    CONV = "conv_state"
+    RECURRENT = "recurrent_state"
 
 
 @dataclasses.dataclass
@@ -50,6 +59,23 @@ class KdaMatch:
     head_dim: int
     f_rank: int
     claimed: set
+    state_shapes: dict  # conv_state / recurrent_state -> the shape the core sees (post-grad: a view of a pool)
+
+    def probe_inputs(self, rng: ProbeRandom) -> ProbeInputs:
+        """A random step for the probe: the layer input, B + 2 state slots of random states (BF16 conv,
+        FP32 recurrent), random slots for the B requests and random accepted counts."""
+        a = self.core
+        values, B, q = probe_step(rng, self.x, a["q_len"])
+        slots = B + 2
+        meta = {"state_indices": torch.randperm(slots, generator=rng.g)[:B],
+                "accepted": torch.randint(1, q + 1, (B,), generator=rng.g)}
+        for name, t in meta.items():
+            values[a[name]] = t.to(val(a[name]).dtype).to(rng.device)
+        caches = {role: a[role.value] for role in KdaState}
+        for role, node in caches.items():
+            shape = (slots, *self.state_shapes[role.value][1:])
+            values[node] = rng.randn(shape, val(node).dtype, scale=0.5)
+        return ProbeInputs(values, caches, B * q)
 
 
 def find_kda(ctx: PassContext, core: Node) -> KdaMatch:
@@ -89,7 +115,8 @@ def find_kda(ctx: PassContext, core: Node) -> KdaMatch:
     check_only_user(a["recurrent_state"], core, "recurrent state")
     check_q_len(a["q_len"], ctx.options.max_q, core)
     require(val(x).dim() == 2, "in_proj input is not [T, hidden]", x)
-    return KdaMatch(x, in_w, f_lin.w, o_lin.w, o_user, a, H, HD // H, F_rank, claimed)
+    return KdaMatch(x, in_w, f_lin.w, o_lin.w, o_user, a, H, HD // H, F_rank, claimed,
+                    shapes_of(core, KDA_CORE.default, tuple(s.value for s in KdaState)))
 
 
 class KdaPass(LayerPass):
@@ -109,11 +136,9 @@ class KdaPass(LayerPass):
             norm_eps=constant(a["norm_eps"], "KDA norm eps", found.anchor),
             in_proj=DepProjection("kda_in_proj", proj["kda_in_proj"]), o_proj=DepProjection("o_proj", oproj),
         )
-        roles = {k: a[k] for k in ("conv_state", "recurrent_state", "state_indices", "accepted", "q_len")}
         ctx.commit(found, x=m.x, output=m.output, claimed=m.claimed, target=KDA_ATTENTION.default, args=(
             m.x, m.in_w, m.f_b_w, a["conv_weight"], a["A_log"], a["dt_bias"], a["o_norm_weight"], m.o_w,
             a["conv_state"], a["recurrent_state"], a["state_indices"], a["accepted"], a["q_len"], None),
-            prepared=prepared, roles=roles,
-            shapes=shapes_of(found.anchor, KDA_CORE.default, ("conv_state", "recurrent_state")))
+            prepared=prepared, probe=m.probe_inputs)
         tactics = {p.name: p.policies(opts.batches) for p in (prepared.in_proj, prepared.o_proj)}
         return "kimi_dep.kda_attention", tactics

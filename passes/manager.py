@@ -22,7 +22,7 @@ from dep_compile.debug.report import LayerMatch, MatchReport, record
 from .attn_res import AttnResPass
 from .base import LayerPass, PassContext
 from .dsa import DsaPass
-from .fx_match import UNSPECIALIZED_HINT, unspecialized_floats
+from .calls import UNSPECIALIZED_HINT, unspecialized_floats
 from .kda import KdaPass
 from .mla import MlaPass
 from .moe import MoePass
@@ -118,7 +118,7 @@ class DepPassManager:
         each class a compiled graph bakes in (``registry.prepared``: the Prepared* layers, DepProjection)."""
         from dep_compile.ops import registry
 
-        baked = {Path(inspect.getsourcefile(c)) for c in registry._CLASSES.values()} | {Path(registry.__file__)}
+        baked = {Path(inspect.getsourcefile(c)) for c in registry.prepared_classes()} | {Path(registry.__file__)}
         return [*sorted(Path(__file__).parent.glob("*.py")), *sorted(baked)]
 
     def uuid(self, *extra_files: Path) -> str:

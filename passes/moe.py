@@ -25,28 +25,17 @@ import torch
 
 from dep_compile.ops.moe import EpMoeLayer
 from dep_compile.ops.projection import DepProjection
+from dep_compile.ops.shapes import size_hint
 
 from .base import Found, LayerPass, PassContext, check_bf16
-from .fx_match import (NoMatch, call, cast_to, constant, dtype_of, fp32_use, last_dim, linear, linear_of,
-                       match_rms_norm, match_tree, op_args, op_name, part_of, require, scalar, skip_identity,
-                       upcast_from, val)
+from .calls import NoMatch, bind, call, constant, dtype_of, last_dim, op_args, op_name, require, scalar, val
+from .trees import factors, match_rms_norm
+from .validate import ProbeInputs, ProbeRandom
+from .walkers import cast_to, fp32_use, linear, linear_of, part_of, skip_identity, upcast_from
 
 Node = torch.fx.Node
 EXPERTS = torch.ops.kimi_k3.routed_experts
 MOE = torch.ops.kimi_dep.moe
-# SiTU as the references write it: ((beta * tanh(g / beta)) * sigmoid(g)) * (beta_lin * tanh(u / beta_lin))
-SITU = ("mul", ("mul", ("mul", ("const", "beta"), ("tanh", ("div", ("var", "g"), ("const", "beta")))),
-                ("sigmoid", ("var", "g"))),
-        ("mul", ("const", "beta_lin"), ("tanh", ("div", ("var", "u"), ("const", "beta_lin")))))
-
-
-def _with(pattern, consts: dict):
-    """``pattern`` with its named constants replaced by values."""
-    if pattern[0] == "const" and isinstance(pattern[1], str):
-        return ("const", consts[pattern[1]])
-    if pattern[0] in ("var", "const"):
-        return pattern
-    return (pattern[0], *(_with(p, consts) for p in pattern[1:]))
 
 
 def match_router(ids_node, weights_node, top_k_expected: int, claimed: set):
@@ -102,14 +91,41 @@ def match_router(ids_node, weights_node, top_k_expected: int, claimed: set):
     return x, gate_w, bias, int(topk["k"]), scale
 
 
+def _bounded(node, beta: float, what: str, claimed: set):
+    """``node`` is ``beta * tanh(v / beta)`` in FP32 (factors in either order): v, through plumbing."""
+    a, b = factors(node, "mul", what, claimed)
+    t, c = (a, b) if scalar(b) is not None else (b, a)
+    require(scalar(c) == beta, f"{what} is scaled by {c if scalar(c) is not None else 'a tensor'}, not {beta}", node)
+    d = call(call(t, "tanh", what, claimed)["input"], "div", f"{what}: tanh's argument", claimed)
+    require(scalar(d["other"]) == beta and d.get("rounding_mode") is None, f"{what} is not tanh(v / {beta})", t)
+    return skip_identity(d["input"], claimed)
+
+
+def _has_constant_factor(node) -> bool:
+    b = bind(node) if op_name(node) == "mul" else None
+    return b is not None and any(scalar(b[k]) is not None for k in ("input", "other"))
+
+
 def match_situ(out, beta: float, beta_lin: float, claimed: set):
-    """``out`` is SiTU(gate_up) in FP32, rounded once to BF16, with the experts' betas: the gate_up linear."""
+    """``out`` is SiTU(gate_up) in FP32, rounded once to BF16, with the experts' betas: the gate_up linear.
+
+    SiTU as the references write it: ``((beta * tanh(g / beta)) * sigmoid(g)) * (beta_lin * tanh(u / beta_lin))``,
+    each product's factors in either order, no other association (it rounds differently).
+    """
     prod = cast_to(out, torch.bfloat16, "the SiTU output", claimed)
-    binds: dict = {}
     require(dtype_of(prod) == torch.float32, "SiTU is not computed in FP32", prod)
-    require(match_tree(prod, _with(SITU, {"beta": beta, "beta_lin": beta_lin}), binds, claimed),
-            f"the shared expert's activation is not SiTU(beta={beta}, beta_lin={beta_lin}) of gate | up", prod)
-    g, u = part_of(binds["g"], claimed), part_of(binds["u"], claimed)
+    what = f"the shared expert's activation (SiTU(beta={beta}, beta_lin={beta_lin}) of gate | up)"
+    gate_f, up_f = factors(prod, "mul", what, claimed)
+    if _has_constant_factor(gate_f):  # the up factor is the one scaled by a constant
+        gate_f, up_f = up_f, gate_f
+    u = _bounded(up_f, beta_lin, f"{what}: the up factor", claimed)
+    bounded, sig = factors(gate_f, "mul", f"{what}: the gate factor", claimed)
+    if op_name(bounded) == "sigmoid":
+        bounded, sig = sig, bounded
+    g = skip_identity(call(sig, "sigmoid", f"{what}: the gate's sigmoid", claimed)["input"], claimed)
+    require(_bounded(bounded, beta, f"{what}: the gate's tanh", claimed) is g,
+            f"{what}: its tanh and sigmoid read different gates", gate_f)
+    g, u = part_of(g, claimed), part_of(u, claimed)
     require(g is not None and u is not None and g[0] is u[0], "SiTU's gate and up are not halves of one tensor", prod)
     width = val(g[0]).shape[-1]
     require(g[1:] == (0, width // 2) and u[1:] == (width // 2, width) and width % 2 == 0,
@@ -166,6 +182,11 @@ class MoeMatch:
     latent: int
     ep_size: int
     claimed: set
+
+    def probe_inputs(self, rng: ProbeRandom) -> ProbeInputs:
+        """A random layer input for the probe; a MoE writes no cache."""
+        xv = val(self.x)
+        return ProbeInputs({self.x: rng.randn(xv.shape, xv.dtype)}, {}, size_hint(xv.shape[0]))
 
 
 def dep_moe_supported(ctx: PassContext, R: Node) -> MoeMatch:
@@ -239,6 +260,6 @@ class MoePass(LayerPass):
         front = [m.gu_w, m.down_w]
         ctx.commit(found, x=m.x, output=m.output, claimed=m.claimed, target=MOE.default, args=(
             m.x, front, m.gate_w, m.bias, a["w13"], a["w2"], m.norm_w, m.up_w, m.sd_w, None), prepared=prepared,
-            roles={}, shapes={}, pack=[(front, "MoE front")])
+            probe=m.probe_inputs, pack=[(front, "MoE front")])
         op = "kimi_dep.moe" if m.ep_size == 1 else f"kimi_dep.moe[ep{m.ep_size}]"
         return op, {"moe_front": prepared.front.policies([b for b in opts.batches if b <= opts.front_max])}

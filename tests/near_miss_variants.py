@@ -19,7 +19,8 @@ e_score_correction_bias; the rest BF16), frozen, in eval mode, on the old module
 pass could get wrong, or a change no short run can observe); the suite does not require its
 output to differ from stock.
 
-``core``: one variant per item of the suite's brief (62 of them); tests/test_near_miss.py runs
+``core``: one variant per item of the suite's brief (62 of them) and the three product orders the walkers read
+(65 in all); tests/test_near_miss.py runs
 these by default, to stay under 90 s on 2 CPU cores, and every variant with ``NEAR_MISS_ALL=1``;
 the property test draws from the whole catalogue.
 
@@ -447,6 +448,12 @@ _shared_variant("shared_matmul", "rewrite",
 _shared_variant("shared_linear_kwargs", "rewrite",
                 gate_up=lambda self, x: F.linear(input=x, weight=self.gate_up_proj.weight),
                 down=lambda self, a: F.linear(input=a, weight=self.down_proj.weight))
+_shared_variant("shared_act_factors_commuted", "rewrite", note="every product's factors in the other order",
+                act=lambda self, g, u: (torch.tanh(u / self.beta_lin) * self.beta_lin)
+                * (torch.sigmoid(g) * (torch.tanh(g / self.beta) * self.beta)))
+_shared_variant("shared_act_reassociated", "either", note="the same factors, multiplied in another order",
+                act=lambda self, g, u: self.beta * torch.tanh(g / self.beta)
+                * (torch.sigmoid(g) * (self.beta_lin * torch.tanh(u / self.beta_lin))))
 _shared_variant("shared_act_torch_fns", "rewrite",
                 act=lambda self, g, u: torch.mul(torch.mul(torch.mul(self.beta, torch.tanh(torch.div(g, self.beta))),
                                                            torch.sigmoid(g)),
@@ -623,6 +630,8 @@ def _slices3(self, f):
     return f[..., :a], f[..., a:b], f[..., b:]
 
 
+_dsa_variant("dsa_gate_commuted", "rewrite",
+             gate_out=lambda self, o, gate: (torch.sigmoid(gate.float()) * o.float()).to(o.dtype))
 _dsa_variant("dsa_slices", "rewrite", split3=_slices3,
              split_kv=lambda self, kv_a: (kv_a[..., :self.kv_lora], kv_a[..., self.kv_lora:]))
 _dsa_variant("dsa_split_kwargs", "rewrite",
@@ -856,6 +865,7 @@ dsa_latent_cat_swapped dsa_k_norm_eps dsa_q_heads_dims_swapped dsa_index_query_u
 dsa_index_weights_times_2 dsa_slices dsa_layer_norm_kwargs dsa_cat_kwargs dsa_separate_gate_proj
 dsa_rms_norm_kwargs kda_q_k_swapped kda_beta_part_wrong kda_g_raw_times_2 kda_o_proj_input_scaled kda_q_scaled
 kda_f_b_misaligned_split kda_slices kda_linear_kwargs kda_einsum_in_proj kda_matmul_T
+shared_act_factors_commuted shared_act_reassociated dsa_gate_commuted
 """.split())
 CATALOGUE[:] = [dataclasses.replace(v, core=v.name in CORE_NAMES) for v in CATALOGUE]
 CORE = [v for v in CATALOGUE if v.core]

@@ -27,6 +27,6 @@ def test_uuid_stable_across_processes_and_option_sensitive():
 def test_uuid_covers_what_compiled_graphs_bake_in():
     """A change to a Prepared* layer, the registry or a pass must change the key (not only passes/*.py)."""
     names = {f.name for f in DepPassManager.hashed_files()}
-    assert {"dsa.py", "kda.py", "moe.py", "projection.py", "registry.py", "tactics.py", "fx_match.py",
-            "validate.py", "base.py"} <= names
+    assert {"dsa.py", "kda.py", "moe.py", "projection.py", "registry.py", "tactics.py", "calls.py", "walkers.py",
+            "trees.py", "validate.py", "base.py"} <= names
     assert sum(f.name == "dsa.py" for f in DepPassManager.hashed_files()) == 2  # passes/dsa.py and ops/dsa.py

@@ -32,3 +32,12 @@ def test_rebuilt_in_a_fresh_process():
     code = f"from dep_compile.ops import registry; p = registry.lookup({key!r}); print(p.heads, p.in_proj.name)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["96", "kda_in_proj"]
+
+
+def test_every_prepared_class_is_registered_by_importing_the_ops():
+    """Importing ``dep_compile.ops`` (any module of it) registers every prepared class; the registry itself
+    imports no op module (no import circle)."""
+    code = ("from dep_compile.ops import registry; "
+            "print(' '.join(sorted(c.__name__ for c in registry.prepared_classes())))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["DepProjection", "EpMoeLayer", "PreparedDsa", "PreparedKda", "SplitK"]

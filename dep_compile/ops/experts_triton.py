@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from .fallbacks import log_fallback
-from .moe_triton import _tanh
+from .moe_triton import situ_fp32
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _SMEM_BYTES = 225 * 1024
@@ -107,12 +107,6 @@ def _count_kernel(ids_ptr, counts_ptr, offsets_ptr, order_ptr, row_of_ptr, P, ex
 
 
 @triton.jit
-def _situ_bf16(g, u, beta, beta_lin):
-    """SiTU of BF16-rounded FP32 gate/up in FP32 (stock's numerics), FP32 out."""
-    return beta * _tanh(g / beta) * (1.0 / (1.0 + tl.exp(-g))) * (beta_lin * _tanh(u / beta_lin))
-
-
-@triton.jit
 def _gemm1_pass(x_ptr, wg_base, wu_base, act_ptr, order_ptr, off, c, m0, offs_n, offs_k, stride_x, K_TOP, beta,
                 beta_lin, LAT: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, STAGES: tl.constexpr, INTERPRET: tl.constexpr):
@@ -142,7 +136,7 @@ def _gemm1_pass(x_ptr, wg_base, wu_base, act_ptr, order_ptr, off, c, m0, offs_n,
             acc_u = tl.dot(wu, tl.trans(xt), acc_u)
     g = acc_g.to(tl.bfloat16).to(tl.float32)  # the grouped GEMM's BF16 output
     u = acc_u.to(tl.bfloat16).to(tl.float32)
-    a = _situ_bf16(g, u, beta, beta_lin)
+    a = situ_fp32(g, u, beta, beta_lin)  # of the BF16-rounded gate and up: stock's numerics
     out = act_ptr + (off + rm).to(tl.int64)[None, :] * INTER + offs_n[:, None]
     tl.store(out, a.to(tl.bfloat16), mask=(offs_n < INTER)[:, None] & mmask[None, :])
 

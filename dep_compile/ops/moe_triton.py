@@ -13,7 +13,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _tanh(x):
+def tanh_fp32(x):
     """tanh to FP32 precision: from exp where |x| >= 0.05 (sign-symmetric, no overflow), a Taylor
     polynomial below (where 1 - exp(-2|x|) would cancel; its truncation error is < 1e-10 relative)."""
     a = tl.abs(x)
@@ -26,13 +26,19 @@ def _tanh(x):
 
 
 @triton.jit
+def situ_fp32(g, u, beta, beta_lin):
+    """SiTU of FP32 gate and up, in FP32: ``beta * tanh(g / beta) * sigmoid(g) * beta_lin * tanh(u / beta_lin)``."""
+    return beta * tanh_fp32(g / beta) * (1.0 / (1.0 + tl.exp(-g))) * (beta_lin * tanh_fp32(u / beta_lin))
+
+
+@triton.jit
 def _situ_kernel(x_ptr, out_ptr, stride_x, stride_out, beta, beta_lin, I: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = c < I
     g = tl.load(x_ptr + t * stride_x + c, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + t * stride_x + I + c, mask=ok, other=0.0).to(tl.float32)
-    y = beta * _tanh(g / beta) * (1.0 / (1.0 + tl.exp(-g))) * (beta_lin * _tanh(u / beta_lin))
+    y = situ_fp32(g, u, beta, beta_lin)
     tl.store(out_ptr + t * stride_out + c, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 

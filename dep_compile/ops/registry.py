@@ -24,6 +24,12 @@ def prepared(cls: type) -> type:
     return cls
 
 
+def prepared_classes() -> list[type]:
+    """Every class a layer string may name (those decorated with :func:`prepared`; ``dep_compile.ops``
+    registers its own on import)."""
+    return list(_CLASSES.values())
+
+
 def _encode(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj):
         return {type(obj).__name__: {f.name: _encode(getattr(obj, f.name)) for f in dataclasses.fields(obj)}}
@@ -52,9 +58,7 @@ def register(module: str, prepared: Any) -> str:
 def lookup(key: str) -> Any:
     """The prepared object of an op's ``layer`` string (rebuilt from it on first use in a process)."""
     prepared = _PREPARED.get(key)
-    if prepared is None:
-        from . import dsa, kda, moe  # noqa: F401  (their @prepared classes, in a process where no pass ran)
-
+    if prepared is None:  # a process where no pass ran (compiled code from a cache)
         try:
             prepared = _PREPARED[key] = _decode(json.loads(key.split("#", 1)[1]))
         except (IndexError, KeyError, TypeError, ValueError) as e:
