@@ -282,7 +282,7 @@ class LayerPass:
             if ctx.mutating:  # a check inside the replacement failed after the graph began to change
                 raise
             check = "semantic" if e.reason.startswith("semantic check") else "structure"
-            return LayerMatch(found.layer, found.module, self.kind, False, e.reason, self.stock_op,
+            return LayerMatch(found.layer, found.module, self.kind, False, e.reason, self.stock_name(found),
                               node=e.node.name if isinstance(e.node, Node) else "", check=check)
         except Exception as e:  # noqa: BLE001 - a pass bug must not fail the user's compile
             if ctx.mutating or isinstance(e, OptionError):  # a half-edited graph, or an option that cannot hold
@@ -290,12 +290,16 @@ class LayerPass:
             log.warning("kimi_dep: the %s pass raised on %s; the layer stays stock", self.kind, found.module,
                         exc_info=True)
             return LayerMatch(found.layer, found.module, self.kind, False,
-                              f"internal error in the {self.kind} pass: {type(e).__name__}: {e}", self.stock_op,
+                              f"internal error in the {self.kind} pass: {type(e).__name__}: {e}", self.stock_name(found),
                               check="internal error")
         validation = ctx.verdict.summary(found.module) if ctx.verdict is not None else "off (options validate=False)"
         return LayerMatch(found.layer, found.module, self.kind, True, "", op, tactics, validation=validation)
 
     stock_op: str = ""
+
+    def stock_name(self, found: Found) -> str:
+        """The stock op a row of ``found`` names (the family's, unless the anchor says otherwise)."""
+        return self.stock_op
 
     def rewrite(self, ctx: PassContext, found: Found) -> tuple[str, dict]:  # pragma: no cover - abstract
         raise NotImplementedError

@@ -75,13 +75,13 @@ class DepPassManager:
             for found in p.find(gm.graph):
                 if p.kind != "mla" and p.kind not in self.options.kinds:
                     rows.append(LayerMatch(found.layer, found.module, p.kind, False,
-                                           f"policy: kind {p.kind!r} not in options kinds {self.options.kinds}", p.stock_op,
+                                           f"policy: kind {p.kind!r} not in options kinds {self.options.kinds}", p.stock_name(found),
                                            check="policy"))
                     continue
                 rows.append(p.apply(ctx, found))
         points = [p.apply(ctx, found) if p.kind in self.options.kinds else
                   LayerMatch(found.layer, found.module, p.kind, False,
-                             f"policy: kind {p.kind!r} not in options kinds {self.options.kinds}", p.stock_op,
+                             f"policy: kind {p.kind!r} not in options kinds {self.options.kinds}", p.stock_name(found),
                              check="policy")
                   for p in self.glue for found in p.find(gm.graph)]
         gm.graph.lint()

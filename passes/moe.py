@@ -26,16 +26,20 @@ import torch
 from dep_compile.ops.moe import EpMoeLayer
 from dep_compile.ops.projection import DepProjection
 from dep_compile.ops.shapes import size_hint
+from dep_compile.stock.mxfp4 import GROUP, group_size, random_mxfp4
 
 from .base import Found, LayerPass, PassContext, check_bf16
-from .calls import NoMatch, bind, call, constant, dtype_of, last_dim, op_args, op_name, require, scalar, val
+from .calls import NoMatch, bind, call, constant, dtype_of, is_call, last_dim, op_args, op_name, require, scalar, val
 from .trees import factors, match_rms_norm
 from .validate import ProbeInputs, ProbeRandom
 from .walkers import cast_to, fp32_use, linear, linear_of, part_of, skip_identity, upcast_from
 
 Node = torch.fx.Node
 EXPERTS = torch.ops.kimi_k3.routed_experts
+EXPERTS_MXFP4 = torch.ops.kimi_k3.routed_experts_mxfp4  # the experts as K3 ships them (stock/mxfp4.py)
 MOE = torch.ops.kimi_dep.moe
+MOE_MXFP4 = torch.ops.kimi_dep.moe_mxfp4
+MXFP4_TENSORS = ("w13_packed", "w13_scale", "w2_packed", "w2_scale")
 
 
 def match_router(ids_node, weights_node, top_k_expected: int, claimed: set):
@@ -182,11 +186,38 @@ class MoeMatch:
     latent: int
     ep_size: int
     claimed: set
+    experts: tuple  # the experts' weight nodes: (w13, w2), or MXFP4 (w13 codes, scales, w2 codes, scales)
+    mxfp4: bool
 
     def probe_inputs(self, rng: ProbeRandom) -> ProbeInputs:
-        """A random layer input for the probe; a MoE writes no cache."""
+        """A random layer input for the probe, and for MXFP4 experts random codes and E8M0 scales (the stock
+        op and the replacement read the same; a MoE writes no cache)."""
         xv = val(self.x)
-        return ProbeInputs({self.x: rng.randn(xv.shape, xv.dtype)}, {}, size_hint(xv.shape[0]))
+        values = {self.x: rng.randn(xv.shape, xv.dtype)}
+        if self.mxfp4:
+            for codes, scales in (self.experts[:2], self.experts[2:]):
+                shape = (*val(codes).shape[:-1], 2 * val(codes).shape[-1])
+                packed, scale = random_mxfp4(tuple(size_hint(d) for d in shape), rng.g, size_hint(shape[-1]) ** -0.5)
+                values[codes], values[scales] = packed.to(rng.device), scale.to(rng.device)
+        return ProbeInputs(values, {}, size_hint(xv.shape[0]))
+
+
+def check_mxfp4_experts(ctx: PassContext, a: dict, latent: int) -> None:
+    """The MXFP4 experts' tensors are weights as loaded (the kernels read the checkpoint's layout from them),
+    uint8 E2M1 codes two a byte and uint8 E8M0 scales, one per 32 inputs, in the shapes of w13 [E, 2I, Lat]
+    and w2 [E, Lat, I]."""
+    t = {name: ctx.param(a[name], f"MXFP4 {name} (the kernels read codes and scales as loaded)") for name in MXFP4_TENSORS}
+    for w in ("w13", "w2"):
+        codes, scales = t[f"{w}_packed"], t[f"{w}_scale"]
+        require(codes.dtype == torch.uint8, f"{w} codes are {codes.dtype}, not uint8 (two E2M1 a byte)", a[f"{w}_packed"])
+        require(scales.dtype == torch.uint8, f"{w} scales are {scales.dtype}, not uint8 E8M0 (MXFP4)", a[f"{w}_scale"])
+        g = group_size(codes, scales)
+        require(codes.shape[:-1] == scales.shape[:-1] and g == GROUP, f"{w} has one scale per {g} inputs "
+                f"({list(scales.shape)} for codes {list(codes.shape)}), not per {GROUP} (MXFP4)", a[f"{w}_scale"])
+    E, two_i, lat_half = t["w13_packed"].shape
+    require(2 * lat_half == latent and tuple(t["w2_packed"].shape) == (E, latent, two_i // 4),
+            f"MXFP4 expert shapes w13 {list(t['w13_packed'].shape)} / w2 {list(t['w2_packed'].shape)} (codes) do not "
+            f"fit latent {latent}", a["w13_packed"])
 
 
 def dep_moe_supported(ctx: PassContext, R: Node) -> MoeMatch:
@@ -198,7 +229,8 @@ def dep_moe_supported(ctx: PassContext, R: Node) -> MoeMatch:
     and an expert count that the EP size divides.
     """
     opts = ctx.options
-    a = op_args(R, EXPERTS.default)
+    mxfp4 = is_call(R, EXPERTS_MXFP4)
+    a = op_args(R, (EXPERTS_MXFP4 if mxfp4 else EXPERTS).default)
     claimed = {R}
     down = linear(skip_identity(a["x"], claimed), "the experts' input (latent down-projection)", claimed)
     x = down.x
@@ -224,28 +256,35 @@ def dep_moe_supported(ctx: PassContext, R: Node) -> MoeMatch:
             sd = linear(shared_out, "the add's other operand (a shared expert's down_proj)", claimed)
     gu = match_situ(sd.x, constant(a["beta"], "SiTU beta", R), constant(a["beta_lin"], "SiTU beta_lin", R), claimed)
     require(gu.x is x, "shared expert reads another input than the router", gu.node)
-    check_bf16("MoE activations/weights", x, down.w, gu.w, sd.w, up.w, a["w13"], a["w2"])
+    experts = tuple(a[n] for n in (MXFP4_TENSORS if mxfp4 else ("w13", "w2")))
+    check_bf16("MoE activations/weights", x, down.w, gu.w, sd.w, up.w, *([] if mxfp4 else experts))
+    latent = ctx.param(down.w, "latent down-proj").shape[0]
+    if mxfp4:
+        check_mxfp4_experts(ctx, a, latent)
     shared_inter = ctx.param(sd.w, "shared down_proj").shape[1]
     ep_size = int(a["ep_size"])
-    E, E_local = ctx.param(gate_w, "router weight").shape[0], val(a["w13"]).shape[0]
+    E, E_local = ctx.param(gate_w, "router weight").shape[0], val(experts[0]).shape[0]
     # ep_size 1 with fewer local experts: one rank's share run alone (benchmarks), no dispatch
     require(E == E_local * ep_size or (ep_size == 1 and E % E_local == 0),
             f"{E} experts != {E_local} local x EP size {ep_size}", R)
     require(ctx.param(gu.w, "shared gate_up").shape[0] == 2 * shared_inter, "shared gate_up is not 2x down's width", gu.w)
-    latent = ctx.param(down.w, "latent down-proj").shape[0]
     for w, what in ((up.w, "up-proj"), (bias, "correction bias"), (norm_w, "latent norm weight")):
         ctx.param(w, what)
     return MoeMatch(x, down.w, gate_w, bias, norm_w, up.w, gu.w, sd.w, add, a, top_k, scale, norm_eps,
-                    shared_inter, latent, ep_size, claimed)
+                    shared_inter, latent, ep_size, claimed, experts, mxfp4)
 
 
 class MoePass(LayerPass):
-    """Rewrites each K3 MoE (``dep_moe_supported``) into one ``kimi_dep.moe`` call."""
+    """Rewrites each K3 MoE (``dep_moe_supported``) into one ``kimi_dep.moe`` call (``kimi_dep.moe_mxfp4`` on
+    MXFP4 experts)."""
 
     kind = "moe"
-    anchors = (EXPERTS,)
+    anchors = (EXPERTS, EXPERTS_MXFP4)
     module_up = 1  # the anchor is traced inside mlp.experts; report the mlp
     stock_op = "kimi_k3.routed_experts"
+
+    def stock_name(self, found: Found) -> str:
+        return "kimi_k3.routed_experts_mxfp4" if is_call(found.anchor, EXPERTS_MXFP4) else self.stock_op
 
     def rewrite(self, ctx: PassContext, found: Found):
         opts = ctx.options
@@ -255,11 +294,12 @@ class MoePass(LayerPass):
             shared_inter=m.shared_inter, latent=m.latent, top_k=m.top_k, scale=m.scale, beta=float(a["beta"]),
             beta_lin=float(a["beta_lin"]), norm_eps=m.norm_eps, expert_start=int(a["expert_start"]), ep_size=m.ep_size,
             front_max=opts.front_max,
-            front=DepProjection("moe_front", opts.tables_for(val(a["w13"]).device)[0]["moe_front"]),
+            front=DepProjection("moe_front", opts.tables_for(val(m.experts[0]).device)[0]["moe_front"]),
         )
         front = [m.gu_w, m.down_w]
-        ctx.commit(found, x=m.x, output=m.output, claimed=m.claimed, target=MOE.default, args=(
-            m.x, front, m.gate_w, m.bias, a["w13"], a["w2"], m.norm_w, m.up_w, m.sd_w, None), prepared=prepared,
+        target, op = (MOE_MXFP4, "kimi_dep.moe_mxfp4") if m.mxfp4 else (MOE, "kimi_dep.moe")
+        ctx.commit(found, x=m.x, output=m.output, claimed=m.claimed, target=target.default, args=(
+            m.x, front, m.gate_w, m.bias, *m.experts, m.norm_w, m.up_w, m.sd_w, None), prepared=prepared,
             probe=m.probe_inputs, pack=[(front, "MoE front")])
-        op = "kimi_dep.moe" if m.ep_size == 1 else f"kimi_dep.moe[ep{m.ep_size}]"
+        op = op if m.ep_size == 1 else f"{op}[ep{m.ep_size}]"
         return op, {"moe_front": prepared.front.policies([b for b in opts.batches if b <= opts.front_max])}

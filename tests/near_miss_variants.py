@@ -19,14 +19,17 @@ e_score_correction_bias; the rest BF16), frozen, in eval mode, on the old module
 pass could get wrong, or a change no short run can observe); the suite does not require its
 output to differ from stock.
 
-``core``: one variant per item of the suite's brief (62 of them) and the three product orders the walkers read
-(65 in all); tests/test_near_miss.py runs
+``core``: one variant per item of the suite's brief (62 of them), the three product orders the walkers read
+and the five MXFP4-experts variants (70 in all); tests/test_near_miss.py runs
 these by default, to stay under 90 s on 2 CPU cores, and every variant with ``NEAR_MISS_ALL=1``;
 the property test draws from the whole catalogue.
 
 Module slots compose: a ``"mlp"`` variant keeps the MoE's current ``gate`` and
 ``shared_experts`` modules (which ``"gate"`` / ``"shared"`` variants replace), so one layer can
 carry one variant per slot (the property test does that).
+
+``experts_format``: a variant of models with that routed-experts format only (``"mxfp4"``: K3's own); the
+near-miss test builds its model in it, the property test applies it where the drawn config has it.
 
 The kind-wide keyword spellings (every call with keyword arguments) live here as well
 (``KwDSA``, ``KwKDA``, ``KwRouter``, ``KwMoE``, ``KwShared``, ``KwExperts``), for
@@ -46,7 +49,7 @@ from torch import nn
 
 from dep_compile.stock.attention import KimiDeltaAttention, KimiDSAAttention
 from dep_compile.stock.layers import Router, SiTUMLP
-from dep_compile.stock.moe import FusedExperts, KimiMoE
+from dep_compile.stock.moe import FusedExperts, KimiMoE, Mxfp4Experts
 
 BF16 = torch.bfloat16
 K3 = torch.ops.kimi_k3
@@ -111,6 +114,11 @@ class Variant:
     run: dict = dataclasses.field(default_factory=dict)  # compare_steps overrides (e.g. a batch it needs)
     note: str = ""
     core: bool = True  # in the default (fast) CPU run of tests/test_near_miss.py; see CORE below
+    experts_format: str | None = None  # a variant of that experts format's models only ("mxfp4"); None: any
+
+    def config(self, cfg):
+        """``cfg`` in the experts format the variant needs."""
+        return cfg.replace(experts_format=self.experts_format) if self.experts_format else cfg
 
     @property
     def row_kind(self) -> str:
@@ -120,6 +128,8 @@ class Variant:
     def layers(self, cfg) -> list[int]:
         """The layers this variant can apply to in ``cfg``."""
         n = cfg.num_layers
+        if self.experts_format not in (None, cfg.experts_format):
+            return []
         if self.kind == "dsa":
             return [i for i in range(n) if cfg.layer_kind(i) == "dsa"]
         if self.kind == "kda":
@@ -309,7 +319,7 @@ class HookMoE(KimiMoE):
 
 def _hook_variant(name, expect, kind, hook, make, slot, setup=None, **methods):
     """A variant overriding ``methods`` of hook class ``hook`` (built by ``make``), then ``setup``."""
-    kw = {k: methods.pop(k) for k in ("neutral", "run", "note") if k in methods}
+    kw = {k: methods.pop(k) for k in ("neutral", "run", "note", "experts_format") if k in methods}
     build = make(type(f"{kind.upper()}_{name}", (hook,), methods))
     if setup is not None:
         base = build
@@ -366,11 +376,56 @@ _moe_variant("moe_shared_first", "rewrite", combine=lambda self, up, shared: sha
 _moe_variant("moe_matmul_projections", "rewrite",
              down=lambda self, x: x @ self.routed_expert_down_proj.weight.t(),
              up=lambda self, n: n @ self.routed_expert_up_proj.weight.t())
-_moe_variant("moe_experts_op_kwargs", "rewrite", note="kimi_k3.routed_experts with keywords",
-             experts_call=lambda self, latent, w, ids: K3.routed_experts(
-                 x=latent, w13=self.experts.w13_weight, w2=self.experts.w2_weight, topk_weights=w, topk_ids=ids,
-                 expert_start=self.experts.expert_start, ep_size=self.experts.ep_size, beta=self.experts.beta,
-                 beta_lin=self.experts.beta_lin))
+def _experts_op_kwargs(e, latent, w, ids):
+    """The experts module ``e``'s stock op (BF16 or MXFP4), every argument by keyword."""
+    common = dict(topk_weights=w, topk_ids=ids, expert_start=e.expert_start, ep_size=e.ep_size, beta=e.beta,
+                  beta_lin=e.beta_lin)
+    if isinstance(e, Mxfp4Experts):
+        return K3.routed_experts_mxfp4(x=latent, w13_packed=e.w13_weight_packed, w13_scale=e.w13_weight_scale,
+                                       w2_packed=e.w2_weight_packed, w2_scale=e.w2_weight_scale, **common)
+    return K3.routed_experts(x=latent, w13=e.w13_weight, w2=e.w2_weight, **common)
+
+
+_moe_variant("moe_experts_op_kwargs", "rewrite", note="the routed-experts op with keywords",
+             experts_call=lambda self, latent, w, ids: _experts_op_kwargs(self.experts, latent, w, ids))
+
+
+# -- MXFP4 experts (K3's format): what the kimi_dep kernels cannot read is refused
+def _mxfp4_call(self, latent, w, ids, w13=None, w2=None):
+    e = self.experts
+    w13 = w13 or (e.w13_weight_packed, e.w13_weight_scale)
+    w2 = w2 or (e.w2_weight_packed, e.w2_weight_scale)
+    return K3.routed_experts_mxfp4(latent, *w13, *w2, w, ids, e.expert_start, e.ep_size, e.beta, e.beta_lin)
+
+
+def _float_scales(new, cfg):
+    """The same weights with float scales 2^(s - 127) for E8M0 codes s (the stock op reads either)."""
+    for name in ("w13_weight_scale", "w2_weight_scale"):
+        p = getattr(new.experts, name)
+        p.data = torch.exp2(p.data.float() - 127)
+
+
+def _scales_per_16(new, cfg):
+    """The same weights with each scale written twice: one per 16 inputs."""
+    for name in ("w13_weight_scale", "w2_weight_scale"):
+        p = getattr(new.experts, name)
+        p.data = p.data.repeat_interleave(2, -1)
+
+
+_moe_variant("mxfp4_float_scale", "either", setup=_float_scales, neutral=True, experts_format="mxfp4",
+             note="FP32 scales, the same values: not E8M0")
+_moe_variant("mxfp4_group_16", "either", setup=_scales_per_16, neutral=True, experts_format="mxfp4",
+             note="one scale per 16 inputs, the same values: not MXFP4's 32")
+_moe_variant("mxfp4_nibbles_swapped", "either", experts_format="mxfp4", note="w13 codes with their nibbles swapped",
+             experts_call=lambda self, latent, w, ids: _mxfp4_call(
+                 self, latent, w, ids, w13=((self.experts.w13_weight_packed << 4) | (self.experts.w13_weight_packed >> 4),
+                                            self.experts.w13_weight_scale)))
+_moe_variant("mxfp4_scale_of_another_expert", "either", experts_format="mxfp4",
+             note="w2 scales rolled by one expert",
+             experts_call=lambda self, latent, w, ids: _mxfp4_call(
+                 self, latent, w, ids, w2=(self.experts.w2_weight_packed, self.experts.w2_weight_scale.roll(1, 0))))
+_moe_variant("mxfp4_experts_op_kwargs", "rewrite", experts_format="mxfp4", note="the MXFP4 experts op with keywords",
+             experts_call=lambda self, latent, w, ids: _experts_op_kwargs(self.experts, latent, w, ids))
 
 
 class HookShared(SiTUMLP):
@@ -462,9 +517,12 @@ _shared_variant("shared_act_torch_fns", "rewrite",
 
 class KwExperts(FusedExperts):
     def forward(self, x, topk_weights, topk_ids):
-        return K3.routed_experts(x=x, w13=self.w13_weight, w2=self.w2_weight, topk_weights=topk_weights,
-                                 topk_ids=topk_ids, expert_start=self.expert_start, ep_size=self.ep_size,
-                                 beta=self.beta, beta_lin=self.beta_lin)
+        return _experts_op_kwargs(self, x, topk_weights, topk_ids)
+
+
+class KwMxfp4Experts(Mxfp4Experts):
+    def forward(self, x, topk_weights, topk_ids):
+        return _experts_op_kwargs(self, x, topk_weights, topk_ids)
 
 
 class KwMoE(HookMoE):
@@ -482,7 +540,7 @@ class KwMoE(HookMoE):
 
 def _kw_moe(cfg, old):
     new = _moe(KwMoE)(cfg, old)
-    new.experts = adopt(KwExperts(cfg), old.experts)
+    new.experts = adopt((KwMxfp4Experts if cfg.experts_format == "mxfp4" else KwExperts)(cfg), old.experts)
     return new
 
 
@@ -866,6 +924,7 @@ dsa_index_weights_times_2 dsa_slices dsa_layer_norm_kwargs dsa_cat_kwargs dsa_se
 dsa_rms_norm_kwargs kda_q_k_swapped kda_beta_part_wrong kda_g_raw_times_2 kda_o_proj_input_scaled kda_q_scaled
 kda_f_b_misaligned_split kda_slices kda_linear_kwargs kda_einsum_in_proj kda_matmul_T
 shared_act_factors_commuted shared_act_reassociated dsa_gate_commuted
+mxfp4_float_scale mxfp4_group_16 mxfp4_nibbles_swapped mxfp4_scale_of_another_expert mxfp4_experts_op_kwargs
 """.split())
 CATALOGUE[:] = [dataclasses.replace(v, core=v.name in CORE_NAMES) for v in CATALOGUE]
 CORE = [v for v in CATALOGUE if v.core]

@@ -82,8 +82,9 @@ def check_catalogue_entry(v, cfg, recorded, run) -> None:
 
 
 def _variant_model(v, device="cpu"):
-    model = build_model(CFG, seed=1, device=device)
-    layer = v.apply(model, CFG)
+    cfg = v.config(CFG)
+    model = build_model(cfg, seed=1, device=device)
+    layer = v.apply(model, cfg)
     return model, (layer, v.row_kind)
 
 
@@ -91,8 +92,9 @@ def _check_variant(v, q=None):
     model, row = _variant_model(v)
     run = _run_params(v, q)
     recorded = EagerRecorder(model)
-    r = compile_and_compare(v.name, CFG, model, run)
-    check_catalogue_entry(v, CFG, recorded, run)
+    cfg = v.config(CFG)
+    r = compile_and_compare(v.name, cfg, model, run)
+    check_catalogue_entry(v, cfg, recorded, run)
     check_report(v.name, {row: v.expect}, r)
 
 
@@ -136,7 +138,7 @@ def cuda_pair(model, *, steps=3, batch=2, q=1, start_len=24, accepted=None, bloc
     import dep_compile
     from dep_compile.stock import KimiCache, RequestBatch
 
-    cfg = CFG
+    cfg = model.config
     cache = KimiCache.allocate(cfg, num_slots=2 * batch + 1, num_blocks=8 * batch + 8, block_size=block_size,
                                seed=seed, device="cuda")
     ref_cache = cache.clone()
@@ -159,12 +161,12 @@ def cuda_pair(model, *, steps=3, batch=2, q=1, start_len=24, accepted=None, bloc
 _CUDA_BASELINE: dict = {}
 
 
-def cuda_baseline(run: dict) -> float:
+def cuda_baseline(run: dict, cfg=CFG) -> float:
     """The unmodified model's kimi_dep-vs-eager logits difference on ``run``'s steps (same seeds), once per session."""
-    key = tuple(sorted((k, v) for k, v in run.items() if k != "accepted"))
+    key = (cfg.experts_format, *sorted((k, v) for k, v in run.items() if k != "accepted"))
     if key not in _CUDA_BASELINE:
         torch._dynamo.reset()
-        err, report = cuda_pair(build_model(CFG, seed=1, device="cuda"), **run)
+        err, report = cuda_pair(build_model(cfg, seed=1, device="cuda"), **run)
         assert report.num_rewritten == len([m for m in report.layers if m.kind != "mla"]), report.table()
         _CUDA_BASELINE[key] = err
         torch._dynamo.reset()
@@ -179,9 +181,9 @@ def _decisions(report) -> dict:
 @pytest.mark.parametrize("v", SELECTED, ids=IDS)
 def test_near_miss_cuda(v):
     run = _run_params(v)
-    base = cuda_baseline(run)
+    base = cuda_baseline(run, v.config(CFG))
     cpu_model, row = _variant_model(v)
-    cpu = compile_and_compare(v.name, CFG, cpu_model, run)  # exact on CPU (test_near_miss checks it)
+    cpu = compile_and_compare(v.name, v.config(CFG), cpu_model, run)  # exact on CPU (test_near_miss checks it)
     torch._dynamo.reset()
     model, _ = _variant_model(v, device="cuda")
     try:

@@ -67,6 +67,8 @@ def random_config(rng: random.Random):
         changes["n_routed_experts"] = rng.choice([16, 32, 48, 64])
     if rng.random() < 0.6:
         changes["situ_beta"] = rng.choice([4.0, 3.0, 6.0])
+    if rng.random() < 0.5:
+        changes["experts_format"] = "mxfp4"  # K3's shipped experts (the MXFP4 variants apply only there)
     return name, changes, preset(name, num_layers=4, **changes)
 
 

@@ -248,8 +248,10 @@ def _expected_names(c, layer: int, kind: str, moe: bool) -> dict[str, tuple[int,
             "mlp.gate.weight": (E, hid),
             "mlp.gate.e_score_correction_bias": (E,),
             "mlp.routed_expert_down_proj.weight": (Lat, hid),
-            "mlp.experts.w13_weight": (E, 2 * I, Lat),
-            "mlp.experts.w2_weight": (E, Lat, I),
+            **({"mlp.experts.w13_weight_packed": (E, 2 * I, Lat // 2), "mlp.experts.w13_weight_scale": (E, 2 * I, Lat // 32),
+                "mlp.experts.w2_weight_packed": (E, Lat, I // 2), "mlp.experts.w2_weight_scale": (E, Lat, I // 32)}
+               if c.experts_format == "mxfp4" else {"mlp.experts.w13_weight": (E, 2 * I, Lat),
+                                                    "mlp.experts.w2_weight": (E, Lat, I)}),
             "mlp.routed_expert_norm.weight": (Lat,),
             "mlp.routed_expert_up_proj.weight": (hid, Lat),
             "mlp.shared_experts.gate_up_proj.weight": (2 * SI, hid),
@@ -289,8 +291,11 @@ def test_full_size_vllm_names_and_shapes():
         assert sd[L3 + "self_attn.fused_qkv_a_g_proj.weight"] == (14400, 7168)
         assert sd[L3 + "self_attn.q_b_proj.weight"] == (96 * 192, 1536)
         assert sd[L3 + "self_attn.o_proj.weight"] == (7168, 12288)
-        assert sd[L3 + "mlp.experts.w13_weight"] == (896, 2 * 3072, 3584)
-        assert sd[L3 + "mlp.experts.w2_weight"] == (896, 3584, 3072)
+        # the experts as K3 ships them: MXFP4 codes two a byte, one E8M0 scale per 32 inputs
+        assert sd[L3 + "mlp.experts.w13_weight_packed"] == (896, 2 * 3072, 3584 // 2)
+        assert sd[L3 + "mlp.experts.w13_weight_scale"] == (896, 2 * 3072, 3584 // 32)
+        assert sd[L3 + "mlp.experts.w2_weight_packed"] == (896, 3584, 3072 // 2)
+        assert sd[L3 + "mlp.experts.w2_weight_scale"] == (896, 3584, 3072 // 32)
         assert sd[L3 + "mlp.gate.e_score_correction_bias"] == (896,)
         assert sd[L3 + "mlp.routed_expert_down_proj.weight"] == (3584, 7168)
         assert sd[L3 + "mlp.shared_experts.gate_up_proj.weight"] == (12288, 7168)
@@ -305,7 +310,11 @@ def test_full_size_vllm_names_and_shapes():
         for k, shape in _model_names(c).items():
             assert sd.get(k) == shape, (k, sd.get(k), shape)
         assert sum(".mlp.gate_up_proj." in k for k in sd) == 1  # only layer 0 is dense
-        assert sum(k.endswith(".experts.w13_weight") for k in sd) == 92
+        assert sum(k.endswith(".experts.w13_weight_packed") for k in sd) == 92
+        with torch.device("meta"):
+            bf16 = KimiK3ForCausalLM(c.replace(experts_format="bf16")).state_dict()
+        assert tuple(bf16[L3 + "mlp.experts.w13_weight"].shape) == (896, 2 * 3072, 3584)
+        assert tuple(bf16[L3 + "mlp.experts.w2_weight"].shape) == (896, 3584, 3072)
 
 
 def test_synthetic_vllm_state_dict_loads_strict():

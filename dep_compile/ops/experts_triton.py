@@ -36,6 +36,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..stock.moe import stock_routed_experts
+from ..stock.mxfp4 import Mxfp4Weight
+from ..stock.mxfp4_cuda import e2m1_bf16, e8m0_bf16
 from .fallbacks import log_fallback
 from .moe_triton import situ_fp32
 
@@ -70,14 +73,58 @@ def experts_block_m(tokens: int) -> int:
     return 16 if tokens <= 16 else 32
 
 
-def _pipeline(block_n: int, block_m: int, big_m: int, tactic: ExpertsTactic) -> dict[str, int]:
+def _pipeline(block_n: int, block_m: int, big_m: int, tactic: ExpertsTactic, mxfp4: bool) -> dict[str, int]:
     """Pipeline depths of the one-pass loop (``tactic.num_stages``, fewer where ``block_n`` weight +
     ``block_m`` act rows would not fit) and of the crowded-expert loop, held to the same shared memory
     (the kernel's shared memory is the larger loop's, and it sets how many programs share an SM)."""
-    row_bytes = tactic.block_k * 2
-    stages = max(1, min(tactic.num_stages, _SMEM_BYTES // ((block_n + block_m) * row_bytes)))
-    big = max(1, min(stages, stages * (block_n + block_m) // (block_n + big_m)))
+    act_row = tactic.block_k * 2
+    w_row = tactic.block_k // 2 + tactic.block_k // 32 if mxfp4 else act_row  # MXFP4: codes and scales
+    stages = max(1, min(tactic.num_stages, _SMEM_BYTES // (block_n * w_row + block_m * act_row)))
+    big = max(1, min(stages, stages * (block_n * w_row + block_m * act_row) // (block_n * w_row + big_m * act_row)))
     return dict(STAGES=stages, BIG_STAGES=big, num_stages=stages)
+
+
+@triton.jit
+def _weight_tile(w_ptrs, s_ptrs, k, K: tl.constexpr, MXFP4: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """The BF16 weight tile [BLOCK_N, BLOCK_K] at inputs k .. k + BLOCK_K, zero past K.
+
+    BF16: loaded (``w_ptrs`` [BLOCK_N, BLOCK_K] at input 0). MXFP4: dequantized in registers, exactly,
+    from ``w_ptrs`` [BLOCK_N, BLOCK_K / 2] code bytes (input 2j in the low nibble) and ``s_ptrs``
+    [BLOCK_N, BLOCK_K / 32] E8M0 scales (2^(s - 127)); the tile is then the one the BF16 path would load
+    from the dequantized weight.
+    """
+    if MXFP4:
+        if K % BLOCK_K == 0:
+            p = tl.load(w_ptrs + k // 2, eviction_policy="evict_first")
+            s = tl.load(s_ptrs + k // 32, eviction_policy="evict_first")
+        else:
+            hmask = (k // 2 + tl.arange(0, BLOCK_K // 2)) < K // 2
+            gmask = (k // 32 + tl.arange(0, BLOCK_K // 32)) < K // 32
+            p = tl.load(w_ptrs + k // 2, mask=hmask[None, :], other=0, eviction_policy="evict_first")
+            s = tl.load(s_ptrs + k // 32, mask=gmask[None, :], other=0, eviction_policy="evict_first")
+        c = p.to(tl.int32)
+        w = tl.join(e2m1_bf16(c & 15), e2m1_bf16(c >> 4)).reshape(BLOCK_N, BLOCK_K)
+        scale = e8m0_bf16(s.to(tl.int32))
+        w = w.to(tl.float32).reshape(BLOCK_N, BLOCK_K // 32, 32) * scale.to(tl.float32)[:, :, None]
+        return w.reshape(BLOCK_N, BLOCK_K).to(tl.bfloat16)  # exact: a power-of-two scale
+    elif K % BLOCK_K == 0:  # unmasked (16-byte vectors)
+        return tl.load(w_ptrs + k, eviction_policy="evict_first")
+    else:
+        kmask = (k + tl.arange(0, BLOCK_K)) < K
+        return tl.load(w_ptrs + k, mask=kmask[None, :], other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _weight_ptrs(w_ptr, s_ptr, e, rn, stride_we, stride_wn, stride_se, stride_sn, MXFP4: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """Pointers of expert ``e``'s rows ``rn`` at input 0: (weights, scales) as ``_weight_tile`` reads them."""
+    if MXFP4:
+        w = w_ptr + e.to(tl.int64) * stride_we + rn[:, None] * stride_wn + tl.arange(0, BLOCK_K // 2)[None, :]
+        s = s_ptr + e.to(tl.int64) * stride_se + rn[:, None] * stride_sn + tl.arange(0, BLOCK_K // 32)[None, :]
+        return w, s
+    w = w_ptr + e.to(tl.int64) * stride_we + rn[:, None] * stride_wn + tl.arange(0, BLOCK_K)[None, :]
+    return w, w
 
 
 @triton.jit(do_not_specialize=["P", "expert_start", "E"])
@@ -107,9 +154,10 @@ def _count_kernel(ids_ptr, counts_ptr, offsets_ptr, order_ptr, row_of_ptr, P, ex
 
 
 @triton.jit
-def _gemm1_pass(x_ptr, wg_base, wu_base, act_ptr, order_ptr, off, c, m0, offs_n, offs_k, stride_x, K_TOP, beta,
-                beta_lin, LAT: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, STAGES: tl.constexpr, INTERPRET: tl.constexpr):
+def _gemm1_pass(x_ptr, wg_base, wu_base, sg_base, su_base, act_ptr, order_ptr, off, c, m0, offs_n, offs_k,
+                stride_x, K_TOP, beta, beta_lin, LAT: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, MXFP4: tl.constexpr,
+                INTERPRET: tl.constexpr):
     """Rows m0 .. m0 + BLOCK_M of one expert: gate/up tile GEMM, BF16 rounding, SiTU, BF16 store."""
     rm = m0 + tl.arange(0, BLOCK_M)
     mmask = rm < c
@@ -119,15 +167,12 @@ def _gemm1_pass(x_ptr, wg_base, wu_base, act_ptr, order_ptr, off, c, m0, offs_n,
     acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k in tl.range(0, LAT, BLOCK_K, num_stages=STAGES):
-        if LAT % BLOCK_K == 0:  # unmasked weight loads (16-byte vectors)
+        if LAT % BLOCK_K == 0:
             xt = tl.load(x_ptrs + k, mask=mmask[:, None], other=0.0)
-            wg = tl.load(wg_base + k, eviction_policy="evict_first")
-            wu = tl.load(wu_base + k, eviction_policy="evict_first")
         else:
-            kmask = (k + offs_k) < LAT
-            xt = tl.load(x_ptrs + k, mask=mmask[:, None] & kmask[None, :], other=0.0)
-            wg = tl.load(wg_base + k, mask=kmask[None, :], other=0.0, eviction_policy="evict_first")
-            wu = tl.load(wu_base + k, mask=kmask[None, :], other=0.0, eviction_policy="evict_first")
+            xt = tl.load(x_ptrs + k, mask=mmask[:, None] & ((k + offs_k) < LAT)[None, :], other=0.0)
+        wg = _weight_tile(wg_base, sg_base, k, LAT, MXFP4, BLOCK_N, BLOCK_K)
+        wu = _weight_tile(wu_base, su_base, k, LAT, MXFP4, BLOCK_N, BLOCK_K)
         if INTERPRET:  # the interpreter's bf16 dot is wrong: FP32 (exact products)
             acc_g = tl.dot(wg.to(tl.float32), tl.trans(xt).to(tl.float32), acc_g, input_precision="ieee")
             acc_u = tl.dot(wu.to(tl.float32), tl.trans(xt).to(tl.float32), acc_u, input_precision="ieee")
@@ -144,13 +189,14 @@ def _gemm1_pass(x_ptr, wg_base, wu_base, act_ptr, order_ptr, off, c, m0, offs_n,
 @triton.jit(do_not_specialize=["K_TOP"])
 def _gemm1_kernel(
     x_ptr,  # [T, Lat] bf16
-    w13_ptr,  # [E, 2I, Lat] bf16
+    w13_ptr,  # [E, 2I, Lat] bf16, or MXFP4 codes [E, 2I, Lat/2] uint8
+    s13_ptr,  # MXFP4: E8M0 scales [E, 2I, Lat/32] uint8 (BF16: w13_ptr again, unread)
     act_ptr,  # [P, I] bf16 out, row = sorted pair position
     counts_ptr, offsets_ptr, order_ptr,  # int32 [E], [E], [P]
-    stride_x, stride_we, stride_wn, K_TOP, beta, beta_lin,
+    stride_x, stride_we, stride_wn, stride_se, stride_sn, K_TOP, beta, beta_lin,
     LAT: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BIG_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, BIG_STAGES: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    MXFP4: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """act[rows of expert e, n-tile] = SiTU(x[tokens] @ w13[e] gate / up tiles^T), BF16."""
     pid_n = tl.program_id(0)
@@ -160,21 +206,24 @@ def _gemm1_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rn = tl.minimum(offs_n, INTER - 1).to(tl.int64)  # ragged last tile re-reads valid rows
     offs_k = tl.arange(0, BLOCK_K)
-    wg_base = w13_ptr + e.to(tl.int64) * stride_we + rn[:, None] * stride_wn + offs_k[None, :]
+    wg_base, sg_base = _weight_ptrs(w13_ptr, s13_ptr, e, rn, stride_we, stride_wn, stride_se, stride_sn, MXFP4,
+                                    BLOCK_K)
     wu_base = wg_base + INTER * stride_wn
+    su_base = sg_base + INTER * stride_sn
     if c > BLOCK_M:  # a crowded expert: BIG_M rows a pass
         for m0 in range(0, c, BIG_M):
-            _gemm1_pass(x_ptr, wg_base, wu_base, act_ptr, order_ptr, off, c, m0, offs_n, offs_k, stride_x, K_TOP,
-                        beta, beta_lin, LAT, INTER, BIG_M, BLOCK_N, BLOCK_K, BIG_STAGES, INTERPRET)
+            _gemm1_pass(x_ptr, wg_base, wu_base, sg_base, su_base, act_ptr, order_ptr, off, c, m0, offs_n, offs_k,
+                        stride_x, K_TOP, beta, beta_lin, LAT, INTER, BIG_M, BLOCK_N, BLOCK_K, BIG_STAGES, MXFP4,
+                        INTERPRET)
     elif c > 0:  # one pass
-        _gemm1_pass(x_ptr, wg_base, wu_base, act_ptr, order_ptr, off, c, 0, offs_n, offs_k, stride_x, K_TOP,
-                    beta, beta_lin, LAT, INTER, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, INTERPRET)
+        _gemm1_pass(x_ptr, wg_base, wu_base, sg_base, su_base, act_ptr, order_ptr, off, c, 0, offs_n, offs_k,
+                    stride_x, K_TOP, beta, beta_lin, LAT, INTER, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MXFP4, INTERPRET)
 
 
 @triton.jit
-def _gemm2_pass(act_ptr, w_base, tw_ptr, ys_ptr, order_ptr, off, c, m0, offs_n, offs_k, LAT: tl.constexpr,
+def _gemm2_pass(act_ptr, w_base, s_base, tw_ptr, ys_ptr, order_ptr, off, c, m0, offs_n, offs_k, LAT: tl.constexpr,
                 INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                STAGES: tl.constexpr, INTERPRET: tl.constexpr):
+                STAGES: tl.constexpr, MXFP4: tl.constexpr, INTERPRET: tl.constexpr):
     """Rows m0 .. m0 + BLOCK_M of one expert: w2 tile GEMM in FP32, times the routing weight, FP32 store."""
     rm = m0 + tl.arange(0, BLOCK_M)
     mmask = rm < c
@@ -184,11 +233,9 @@ def _gemm2_pass(act_ptr, w_base, tw_ptr, ys_ptr, order_ptr, off, c, m0, offs_n, 
     for k in tl.range(0, INTER, BLOCK_K, num_stages=STAGES):
         if INTER % BLOCK_K == 0:
             at = tl.load(a_ptrs + k, mask=mmask[:, None], other=0.0)
-            wt = tl.load(w_base + k, eviction_policy="evict_first")
         else:
-            kmask = (k + offs_k) < INTER
-            at = tl.load(a_ptrs + k, mask=mmask[:, None] & kmask[None, :], other=0.0)
-            wt = tl.load(w_base + k, mask=kmask[None, :], other=0.0, eviction_policy="evict_first")
+            at = tl.load(a_ptrs + k, mask=mmask[:, None] & ((k + offs_k) < INTER)[None, :], other=0.0)
+        wt = _weight_tile(w_base, s_base, k, INTER, MXFP4, BLOCK_N, BLOCK_K)
         if INTERPRET:
             acc = tl.dot(wt.to(tl.float32), tl.trans(at).to(tl.float32), acc, input_precision="ieee")
         else:
@@ -202,14 +249,15 @@ def _gemm2_pass(act_ptr, w_base, tw_ptr, ys_ptr, order_ptr, off, c, m0, offs_n, 
 @triton.jit
 def _gemm2_kernel(
     act_ptr,  # [P, I] bf16
-    w2_ptr,  # [E, Lat, I] bf16
+    w2_ptr,  # [E, Lat, I] bf16, or MXFP4 codes [E, Lat, I/2] uint8
+    s2_ptr,  # MXFP4: E8M0 scales [E, Lat, I/32] uint8 (BF16: w2_ptr again, unread)
     tw_ptr,  # [T*K] routing weights
     ys_ptr,  # [P, Lat] fp32 out
     counts_ptr, offsets_ptr, order_ptr,
-    stride_we, stride_wn,
+    stride_we, stride_wn, stride_se, stride_sn,
     LAT: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BIG_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, BIG_STAGES: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    MXFP4: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """ys[rows of expert e, n-tile] = routing weight * (act[rows] @ w2[e] tile^T), FP32."""
     pid_n = tl.program_id(0)
@@ -219,14 +267,14 @@ def _gemm2_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rn = tl.minimum(offs_n, LAT - 1).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
-    w_base = w2_ptr + e.to(tl.int64) * stride_we + rn[:, None] * stride_wn + offs_k[None, :]
+    w_base, s_base = _weight_ptrs(w2_ptr, s2_ptr, e, rn, stride_we, stride_wn, stride_se, stride_sn, MXFP4, BLOCK_K)
     if c > BLOCK_M:
         for m0 in range(0, c, BIG_M):
-            _gemm2_pass(act_ptr, w_base, tw_ptr, ys_ptr, order_ptr, off, c, m0, offs_n, offs_k, LAT, INTER, BIG_M,
-                        BLOCK_N, BLOCK_K, BIG_STAGES, INTERPRET)
+            _gemm2_pass(act_ptr, w_base, s_base, tw_ptr, ys_ptr, order_ptr, off, c, m0, offs_n, offs_k, LAT, INTER,
+                        BIG_M, BLOCK_N, BLOCK_K, BIG_STAGES, MXFP4, INTERPRET)
     elif c > 0:
-        _gemm2_pass(act_ptr, w_base, tw_ptr, ys_ptr, order_ptr, off, c, 0, offs_n, offs_k, LAT, INTER, BLOCK_M,
-                    BLOCK_N, BLOCK_K, STAGES, INTERPRET)
+        _gemm2_pass(act_ptr, w_base, s_base, tw_ptr, ys_ptr, order_ptr, off, c, 0, offs_n, offs_k, LAT, INTER,
+                    BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MXFP4, INTERPRET)
 
 
 @triton.jit(do_not_specialize=["expert_start", "E"])
@@ -255,38 +303,61 @@ def _combine_kernel(ids_ptr, row_of_ptr, ys_ptr, out_ptr, expert_start, E, K_TOP
     tl.store(out_ptr + t * LAT + d, acc, mask=dmask)
 
 
-def unsupported(x, w13, w2, topk_weights, topk_ids) -> str | None:
-    """Why these inputs cannot take the Triton path (None when they can)."""
+def _tensors(w) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(values or codes, scales, MXFP4?) of an experts weight: a BF16 tensor, or an ``Mxfp4Weight``
+    (BF16: the tensor twice; the kernels do not read the second)."""
+    return (w.packed, w.scale, True) if isinstance(w, Mxfp4Weight) else (w, w, False)
+
+
+def unsupported(x, w13, w2, topk_weights, topk_ids, tactic: ExpertsTactic = DEFAULT_TACTIC) -> str | None:
+    """Why these inputs cannot take the Triton path (None when they can). ``w13`` / ``w2``: BF16 tensors,
+    or both ``Mxfp4Weight`` (E8M0 scales per 32 inputs)."""
     if not (x.is_cuda or _INTERPRET):
         return "not on CUDA"
-    if x.dtype != torch.bfloat16 or w13.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16:
-        return f"dtypes x {x.dtype}, w13 {w13.dtype}, w2 {w2.dtype} (BF16 needed)"
-    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3 or topk_ids.dim() != 2:
+    mx13, mx2 = isinstance(w13, Mxfp4Weight), isinstance(w2, Mxfp4Weight)
+    if mx13 != mx2:
+        return "w13 and w2 are in different formats"
+    if mx13:
+        for name, w in (("w13", w13), ("w2", w2)):
+            if w.packed.dtype != torch.uint8 or w.scale.dtype != torch.uint8:
+                return f"{name} MXFP4 dtypes {w.packed.dtype} / {w.scale.dtype} (uint8 codes and E8M0 scales needed)"
+            if w.scale.shape != (*w.packed.shape[:-1], w.packed.shape[-1] // 16) or w.packed.shape[-1] % 16:
+                return f"{name} scales {tuple(w.scale.shape)} are not one per 32 inputs of {tuple(w.shape)}"
+            if w.packed.stride(-1) != 1 or w.scale.stride(-1) != 1:
+                return f"{name} codes and scales need unit stride along their last dim"
+        if tactic.block_k % 32:
+            return f"block_k {tactic.block_k} is not a multiple of the MXFP4 group (32)"
+    if x.dtype != torch.bfloat16 or (not mx13 and (w13.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16)):
+        return f"dtypes x {x.dtype}, w13 {'mxfp4' if mx13 else w13.dtype}, w2 {'mxfp4' if mx2 else w2.dtype} " \
+               "(BF16 needed)"
+    if x.dim() != 2 or len(w13.shape) != 3 or len(w2.shape) != 3 or topk_ids.dim() != 2:
         return "ranks: x [T, Lat], w13 [E, 2I, Lat], w2 [E, Lat, I], topk_ids [T, K] needed"
     E, two_i, lat = w13.shape
     if E < 1:
         return "no local experts"
-    if w2.shape != (E, lat, two_i // 2) or x.shape[1] != lat or two_i % 2:
+    if tuple(w2.shape) != (E, lat, two_i // 2) or x.shape[1] != lat or two_i % 2:
         return f"shapes x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} do not match"
     if topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != x.shape[0]:
         return f"topk_weights {tuple(topk_weights.shape)} / topk_ids {tuple(topk_ids.shape)} do not match x"
     if topk_ids.dtype not in (torch.int32, torch.int64) or not topk_weights.is_floating_point():
         return f"topk dtypes {topk_ids.dtype}, {topk_weights.dtype}"
-    if x.stride(1) != 1 or w13.stride(2) != 1 or w2.stride(2) != 1:
+    if x.stride(1) != 1 or (not mx13 and (w13.stride(2) != 1 or w2.stride(2) != 1)):
         return "x, w13, w2 need unit stride along their last dim"
     return None
 
 
 def routed_experts_triton(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     expert_start: int, beta: float, beta_lin: float, tactic: ExpertsTactic = DEFAULT_TACTIC,
 ) -> torch.Tensor:
     """Weighted sum of each token's selected local experts, FP32 [T, Lat] (see the module doc).
 
-    x: [T, Lat] BF16; w13: [E, 2I, Lat] BF16; w2: [E, Lat, I] BF16; topk_weights: [T, K];
-    topk_ids: [T, K] global ids (int32/int64). Raises ValueError on inputs ``unsupported`` names.
+    x: [T, Lat] BF16; w13: [E, 2I, Lat] BF16; w2: [E, Lat, I] BF16 (or both ``Mxfp4Weight`` of those
+    shapes, dequantized in registers: the result is bit-equal to this path on the dequantized weights);
+    topk_weights: [T, K]; topk_ids: [T, K] global ids (int32/int64). Raises ValueError on inputs
+    ``unsupported`` names.
     """
-    why = unsupported(x, w13, w2, topk_weights, topk_ids)
+    why = unsupported(x, w13, w2, topk_weights, topk_ids, tactic)
     if why:
         raise ValueError(f"routed_experts_triton: {why}")
     T, K = topk_ids.shape
@@ -297,6 +368,8 @@ def routed_experts_triton(
     out = torch.empty(T, lat, dtype=torch.float32, device=dev)
     if P == 0:
         return out.zero_()
+    w13_t, s13, mxfp4 = _tensors(w13)
+    w2_t, s2, _ = _tensors(w2)
     ids = topk_ids.contiguous().view(-1)  # [P]
     tw = topk_weights.contiguous().view(-1)  # [P]
     counts = torch.empty(E, dtype=torch.int32, device=dev)
@@ -310,14 +383,15 @@ def routed_experts_triton(
                         num_warps=chunk // 256)
     bm = tactic.block_m or experts_block_m(T)
     big = max(bm, BIG_M)
-    common = dict(LAT=lat, INTER=inter, BLOCK_M=bm, BIG_M=big, BLOCK_K=tactic.block_k, INTERPRET=_INTERPRET,
-                  num_warps=tactic.num_warps)
+    common = dict(LAT=lat, INTER=inter, BLOCK_M=bm, BIG_M=big, BLOCK_K=tactic.block_k, MXFP4=mxfp4,
+                  INTERPRET=_INTERPRET, num_warps=tactic.num_warps)
     _gemm1_kernel[(triton.cdiv(inter, tactic.block_n1), E)](
-        x, w13, act, counts, offsets, order, x.stride(0), w13.stride(0), w13.stride(1), K, float(beta),
-        float(beta_lin), BLOCK_N=tactic.block_n1, **_pipeline(2 * tactic.block_n1, bm, big, tactic), **common)
+        x, w13_t, s13, act, counts, offsets, order, x.stride(0), w13_t.stride(0), w13_t.stride(1), s13.stride(0),
+        s13.stride(1), K, float(beta), float(beta_lin), BLOCK_N=tactic.block_n1,
+        **_pipeline(2 * tactic.block_n1, bm, big, tactic, mxfp4), **common)
     _gemm2_kernel[(triton.cdiv(lat, tactic.block_n2), E)](
-        act, w2, tw, ys, counts, offsets, order, w2.stride(0), w2.stride(1), BLOCK_N=tactic.block_n2,
-        **_pipeline(tactic.block_n2, bm, big, tactic), **common)
+        act, w2_t, s2, tw, ys, counts, offsets, order, w2_t.stride(0), w2_t.stride(1), s2.stride(0), s2.stride(1),
+        BLOCK_N=tactic.block_n2, **_pipeline(tactic.block_n2, bm, big, tactic, mxfp4), **common)
     block_d = min(2048, triton.next_power_of_2(lat))
     _combine_kernel[(T, triton.cdiv(lat, block_d))](ids, row_of, ys, out, int(expert_start), E, K_TOP=K,
                                                      KP=max(2, triton.next_power_of_2(K)), LAT=lat,
@@ -326,19 +400,19 @@ def routed_experts_triton(
 
 
 def routed_experts_dep(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     expert_start: int, ep_size: int, beta: float, beta_lin: float,
 ) -> torch.Tensor:
-    """The MoE op's routed experts on CUDA: [T, Lat] BF16, like ``kimi_k3::routed_experts``.
+    """The MoE op's routed experts on CUDA: [T, Lat] BF16, like ``kimi_k3::routed_experts`` (or
+    ``routed_experts_mxfp4`` when ``w13`` and ``w2`` are ``Mxfp4Weight``).
 
     ``ep_size > 1`` dispatches over the EP group with this module's kernels as the local experts;
     inputs the kernels refuse run the stock op (logged once).
     """
     why = unsupported(x, w13, w2, topk_weights, topk_ids)
     if why:
-        log_fallback("moe", f"routed experts: {why}", "the stock routed_experts op")
-        return torch.ops.kimi_k3.routed_experts(x, w13, w2, topk_weights, topk_ids, expert_start, ep_size, beta,
-                                                beta_lin)
+        log_fallback("moe", f"routed experts: {why}", "the stock routed-experts op")
+        return stock_routed_experts(x, w13, w2, topk_weights, topk_ids, expert_start, ep_size, beta, beta_lin)
 
     def local(xs, a, b, w, ids, start):
         return routed_experts_triton(xs, a, b, w, ids, start, beta, beta_lin)

@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..stock.layers import renormalized_topk, situ
+from ..stock.moe import stock_routed_experts
+from ..stock.mxfp4 import Mxfp4Weight
 from .packing import packed_rows
 from .projection import DepProjection
 from .registry import lookup, prepared
@@ -57,7 +59,8 @@ class EpMoeLayer:
     def experts_tail(self, latent, topk_w, topk_ids, w13, w2, norm_w, up_w) -> Tensor:
         """Routed experts -> latent RMSNorm -> up-projection: [T, hidden] BF16.
 
-        On CUDA the experts are kimi_dep's Triton kernels (``experts_triton``; EP dispatch around
+        ``w13`` / ``w2``: BF16 tensors, or ``Mxfp4Weight`` codes and scales. On CUDA the experts are
+        kimi_dep's Triton kernels (``experts_triton``, MXFP4 dequantized in registers; EP dispatch around
         them when ``ep_size > 1``); elsewhere the stock op (its CPU reference)."""
         if latent.is_cuda:
             from .experts_triton import routed_experts_dep
@@ -65,8 +68,8 @@ class EpMoeLayer:
             routed = routed_experts_dep(latent, w13, w2, topk_w, topk_ids, self.expert_start, self.ep_size,
                                         self.beta, self.beta_lin)
         else:
-            routed = torch.ops.kimi_k3.routed_experts(latent, w13, w2, topk_w, topk_ids, self.expert_start,
-                                                      self.ep_size, self.beta, self.beta_lin)
+            routed = stock_routed_experts(latent, w13, w2, topk_w, topk_ids, self.expert_start, self.ep_size,
+                                          self.beta, self.beta_lin)
         if routed.is_cuda:  # one Triton launch instead of cast, norm, cast
             from .norm_triton import rms_norm_fused
 
@@ -137,4 +140,23 @@ def moe(
 
 @moe.register_fake
 def _(x, front_ws, gate_w, bias, w13, w2, norm_w, up_w, shared_down_w, layer):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("kimi_dep::moe_mxfp4", mutates_args=())
+def moe_mxfp4(
+    x: Tensor, front_ws: list[Tensor], gate_w: Tensor, bias: Tensor, w13_packed: Tensor, w13_scale: Tensor,
+    w2_packed: Tensor, w2_scale: Tensor, norm_w: Tensor, up_w: Tensor, shared_down_w: Tensor, layer: str,
+) -> Tensor:
+    """``moe`` on MXFP4 routed experts as K3 ships them (``stock/mxfp4.py``): x [T, hidden] -> [T, hidden].
+
+    w13_packed [E_local, 2I, Lat/2] / w2_packed [E_local, Lat, I/2]: uint8 E2M1 codes, two a byte;
+    w13_scale [E_local, 2I, Lat/32] / w2_scale [E_local, Lat, I/32]: uint8 E8M0 scales; the rest as ``moe``.
+    """
+    return lookup(layer).forward(x, front_ws, gate_w, bias, Mxfp4Weight(w13_packed, w13_scale),
+                                 Mxfp4Weight(w2_packed, w2_scale), norm_w, up_w, shared_down_w)
+
+
+@moe_mxfp4.register_fake
+def _(x, front_ws, gate_w, bias, w13_packed, w13_scale, w2_packed, w2_scale, norm_w, up_w, shared_down_w, layer):
     return torch.empty_like(x)

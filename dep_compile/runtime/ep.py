@@ -71,17 +71,19 @@ def require_group(ep_size: int) -> EpGroup:
 
 
 def shard_experts(model: torch.nn.Module, rank: int, size: int) -> torch.nn.Module:
-    """Keep only rank ``rank``'s E/size experts in every MoE of a full model (in place)."""
+    """Keep only rank ``rank``'s E/size experts in every MoE of a full model (in place): every parameter of an
+    experts module (BF16 weights, or MXFP4 codes and scales) is stacked by expert along its first dim."""
     for mod in model.modules():
-        if hasattr(mod, "w13_weight") and hasattr(mod, "expert_start"):
-            E = mod.w13_weight.shape[0]
+        if hasattr(mod, "expert_start") and hasattr(mod, "ep_size"):
+            params = dict(mod.named_parameters(recurse=False))
+            E = next(iter(params.values())).shape[0]
             if E % size:
                 raise EpError(f"shard_experts: {size} ranks do not divide {E} experts")
             n = E // size
             sl = slice(rank * n, (rank + 1) * n)
-            mod.w13_weight = torch.nn.Parameter(mod.w13_weight.data[sl].clone(), requires_grad=False)
-            mod.w2_weight = torch.nn.Parameter(mod.w2_weight.data[sl].clone(), requires_grad=False)
-            mod.expert_start, mod.ep_size = rank * n, size
+            for name, p in params.items():
+                setattr(mod, name, torch.nn.Parameter(p.data[sl].clone(), requires_grad=False))
+            mod.num_local, mod.expert_start, mod.ep_size = n, rank * n, size
     return model
 
 

@@ -9,6 +9,9 @@ LayerKind = Literal["kda", "mla", "dsa"]
 # Latent cache formats of MLA / DSA layers: BF16 rows, or FP8 e4m3 rows with one FP32 power-of-two
 # scale per token in a side tensor [NB, BS] (docs/fp8_latent_cache.md).
 LATENT_CACHE_DTYPES = ("bfloat16", "float8_e4m3fn")
+# Routed experts' weight formats: BF16, or MXFP4 as K3 ships them (E2M1 codes two a byte, one E8M0
+# scale per 32 inputs; dep_compile/stock/mxfp4.py)
+EXPERTS_FORMATS = ("bf16", "mxfp4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,10 +63,14 @@ class K3Config:
     # The MLA / DSA latent cache [NB, BS, kv_lora + rope]: "bfloat16", or "float8_e4m3fn" with
     # per-token power-of-two scales (LayerCache.kv_scale)
     latent_cache_dtype: str = "bfloat16"
+    # The routed experts' weights: "bf16", or "mxfp4" (K3's checkpoint format; the full presets' default)
+    experts_format: str = "bf16"
 
     def __post_init__(self):
         if self.latent_cache_dtype not in LATENT_CACHE_DTYPES:
             raise ValueError(f"latent_cache_dtype {self.latent_cache_dtype!r}: valid {LATENT_CACHE_DTYPES}")
+        if self.experts_format not in EXPERTS_FORMATS:
+            raise ValueError(f"experts_format {self.experts_format!r}: valid {EXPERTS_FORMATS}")
 
     # ---- derived shapes -------------------------------------------------------------
     def layer_kind(self, layer: int) -> LayerKind:
@@ -221,7 +228,8 @@ def _preset(name: str, base: dict, num_layers: int, full_kind: str) -> K3Config:
         dsa = full
     else:  # mixed: alternate DSA and MLA among the full-attention layers
         dsa = full[::2]
-    return K3Config(name=name, **{**base, "num_layers": num_layers}, kda_layers=_kda_schedule(num_layers), dsa_layers=dsa)
+    return K3Config(name=name, **{**base, "num_layers": num_layers}, kda_layers=_kda_schedule(num_layers), dsa_layers=dsa,
+                    experts_format="mxfp4" if base is _FULL else "bf16")  # K3 ships MXFP4 experts
 
 
 _SPECS = {
@@ -238,7 +246,8 @@ PRESETS: dict[str, K3Config] = {n: _preset(n, b, b["num_layers"], k) for n, (b, 
 def preset(name: str, num_layers: int | None = None, **changes) -> K3Config:
     """A named preset (``k3``, ``k31``, ``k3-small``, ``k31-small``, ``mixed-small``).
 
-    ``num_layers`` rebuilds the layer schedule for that depth; other keywords replace fields.
+    ``num_layers`` rebuilds the layer schedule for that depth; other keywords replace fields. The full
+    presets' experts are MXFP4, as K3 ships them, the small ones' BF16 (``experts_format`` picks either).
     """
     if name not in _SPECS:
         raise ValueError(f"unknown preset {name!r}; valid: {sorted(_SPECS)}")

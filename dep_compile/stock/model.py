@@ -11,6 +11,7 @@ from .cache import KimiCache, StepMeta, check_step
 from .config import K3Config
 from .layers import AttnResPoint, RMSNorm, SiTUMLP
 from .moe import KimiMoE
+from .mxfp4 import random_mxfp4
 
 
 class KimiDecoderLayer(nn.Module):
@@ -94,12 +95,20 @@ class KimiK3ForCausalLM(nn.Module):
 
 
 def init_weights(model: nn.Module, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
-    """Random weights at scales that keep activations O(1); BF16 except A_log, dt_bias, the router bias."""
+    """Random weights at scales that keep activations O(1); BF16 except A_log, dt_bias, the router bias, and
+    MXFP4 experts' codes and scales (uint8: random codes, scales for the same RMS as BF16 experts)."""
     g = torch.Generator().manual_seed(seed)
     keep_fp32 = ("A_log", "dt_bias", "e_score_correction_bias")
+    params = dict(model.named_parameters())
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in params.items():
             leaf = name.rsplit(".", 1)[-1]
+            if leaf.endswith("_weight_packed"):  # with its sibling "_weight_scale"
+                packed, scale = random_mxfp4((*p.shape[:-1], 2 * p.shape[-1]), g, (2 * p.shape[-1]) ** -0.5)
+                p.data, params[name.replace("_packed", "_scale")].data = packed, scale
+                continue
+            if p.dtype == torch.uint8:  # a scale, drawn with its codes
+                continue
             if name.endswith("norm.weight") or name.endswith("layernorm.weight") or ".k_norm." in name:
                 val = 1.0 + 0.1 * torch.randn(p.shape, generator=g) if leaf == "weight" else 0.1 * torch.randn(p.shape, generator=g)
             elif leaf == "A_log":

@@ -7,30 +7,69 @@ from torch import nn
 
 from .config import K3Config
 from .layers import RMSNorm, Router, SiTUMLP
+from .mxfp4 import GROUP, Mxfp4Weight
 
 
-class FusedExperts(nn.Module):
-    """The routed experts' weights (vLLM FusedMoE names): w13 [E, 2I, Lat], w2 [E, Lat, I].
+class _Experts(nn.Module):
+    """Where a module's routed experts sit: ``num_local`` experts from ``expert_start`` (default: all);
+    ``ep_size`` the EP group they are sharded over (default: the experts / ``num_local``; 1 runs these
+    experts alone, with no dispatch: ids owned elsewhere add nothing, as one rank's share in a benchmark)."""
 
-    ``num_local`` experts from ``expert_start`` (default: all); ``ep_size`` the EP group they are
-    sharded over (default: the experts / ``num_local``; 1 runs these experts alone, with no
-    dispatch: ids owned elsewhere add nothing, as one rank's share in a benchmark).
-    """
+    def __init__(self, config: K3Config, num_local: int | None, expert_start: int, ep_size: int | None):
+        super().__init__()
+        self.num_local = num_local or config.n_routed_experts
+        self.expert_start = expert_start
+        self.ep_size = ep_size or config.n_routed_experts // self.num_local  # > 1: sharded over an EP group
+        self.beta, self.beta_lin = config.situ_beta, config.situ_beta_lin
+
+
+class FusedExperts(_Experts):
+    """The routed experts' BF16 weights (vLLM FusedMoE names): w13 [E, 2I, Lat], w2 [E, Lat, I]."""
 
     def __init__(self, config: K3Config, num_local: int | None = None, expert_start: int = 0,
                  ep_size: int | None = None):
-        super().__init__()
-        E = num_local or config.n_routed_experts
+        super().__init__(config, num_local, expert_start, ep_size)
+        E = self.num_local
         self.w13_weight = nn.Parameter(torch.empty(E, 2 * config.moe_intermediate, config.moe_latent_size))
         self.w2_weight = nn.Parameter(torch.empty(E, config.moe_latent_size, config.moe_intermediate))
-        self.expert_start = expert_start
-        self.ep_size = ep_size or config.n_routed_experts // E  # > 1: experts sharded over an EP group
-        self.beta, self.beta_lin = config.situ_beta, config.situ_beta_lin
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         return torch.ops.kimi_k3.routed_experts(
             x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.expert_start, self.ep_size, self.beta,
             self.beta_lin)
+
+
+class Mxfp4Experts(_Experts):
+    """The routed experts as K3 ships them (``stock/mxfp4.py``; vLLM's compressed-tensors names):
+    ``w13_weight_packed [E, 2I, Lat/2]`` and ``w2_weight_packed [E, Lat, I/2]`` uint8 E2M1 codes,
+    ``w13_weight_scale [E, 2I, Lat/32]`` and ``w2_weight_scale [E, Lat, I/32]`` uint8 E8M0 scales."""
+
+    def __init__(self, config: K3Config, num_local: int | None = None, expert_start: int = 0,
+                 ep_size: int | None = None):
+        super().__init__(config, num_local, expert_start, ep_size)
+        E, I, L = self.num_local, config.moe_intermediate, config.moe_latent_size
+        if I % GROUP or L % GROUP:
+            raise ValueError(f"MXFP4 experts need the latent ({L}) and intermediate ({I}) widths divisible by {GROUP}")
+        u8 = lambda *shape: nn.Parameter(torch.empty(*shape, dtype=torch.uint8), requires_grad=False)  # noqa: E731
+        self.w13_weight_packed, self.w13_weight_scale = u8(E, 2 * I, L // 2), u8(E, 2 * I, L // GROUP)
+        self.w2_weight_packed, self.w2_weight_scale = u8(E, L, I // 2), u8(E, L, I // GROUP)
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        return torch.ops.kimi_k3.routed_experts_mxfp4(
+            x, self.w13_weight_packed, self.w13_weight_scale, self.w2_weight_packed, self.w2_weight_scale,
+            topk_weights, topk_ids, self.expert_start, self.ep_size, self.beta, self.beta_lin)
+
+
+EXPERTS = {"bf16": FusedExperts, "mxfp4": Mxfp4Experts}  # K3Config.experts_format -> the experts module
+
+
+def stock_routed_experts(x, w13, w2, topk_weights, topk_ids, expert_start: int, ep_size: int, beta: float,
+                         beta_lin: float) -> torch.Tensor:
+    """The stock routed-experts op for ``w13`` / ``w2`` as BF16 tensors or ``Mxfp4Weight`` pairs: [T, Lat]."""
+    if isinstance(w13, Mxfp4Weight):
+        return torch.ops.kimi_k3.routed_experts_mxfp4(x, *w13, *w2, topk_weights, topk_ids, expert_start, ep_size,
+                                                      beta, beta_lin)
+    return torch.ops.kimi_k3.routed_experts(x, w13, w2, topk_weights, topk_ids, expert_start, ep_size, beta, beta_lin)
 
 
 class KimiMoE(nn.Module):
@@ -42,7 +81,7 @@ class KimiMoE(nn.Module):
         c = config
         self.gate = Router(c)
         self.routed_expert_down_proj = nn.Linear(c.hidden_size, c.moe_latent_size, bias=False)
-        self.experts = FusedExperts(c, num_local, expert_start, ep_size)
+        self.experts = EXPERTS[c.experts_format](c, num_local, expert_start, ep_size)
         self.routed_expert_norm = RMSNorm(c.moe_latent_size, c.rms_eps)
         self.routed_expert_up_proj = nn.Linear(c.moe_latent_size, c.hidden_size, bias=False)
         self.shared_experts = SiTUMLP(c, c.hidden_size, c.shared_intermediate) if c.shared_intermediate else None

@@ -8,7 +8,8 @@ routed experts grouped GEMMs, and AttnRes one Triton launch (``attn_res_cuda``).
 
 An FP8 latent cache (``K3Config.latent_cache_dtype``) has its own ops, ``mla_decode_fp8`` and
 ``sparse_mla_decode_fp8``: the BF16 ops' arguments plus ``kv_scale [NB, BS]`` FP32 (mutated), so the
-BF16 ops' schemas and graphs stay as they are.
+BF16 ops' schemas and graphs stay as they are. MXFP4 routed experts (``K3Config.experts_format``) have
+``routed_experts_mxfp4``, whose weights are the packed codes and scales as K3's checkpoint holds them.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from .reference.dsa import dsa_indexer_ref, sparse_mla_decode_ref
 from .reference.kda import kda_core_ref
 from .reference.mla import mla_decode_ref
 from .grouped_experts import routed_experts_grouped
-from .reference.moe import routed_experts_partial
+from .mxfp4 import Mxfp4Weight, check_mxfp4
+from .reference.moe import routed_experts_mxfp4_partial, routed_experts_partial
 
 
 @torch.library.custom_op("kimi_k3::kda_core", mutates_args=("conv_state", "recurrent_state"))
@@ -132,6 +134,16 @@ def _(q, latent, kv_b_weight, kv_cache, kv_scale, slot_mapping, block_table, top
     return _attention_out(q, kv_b_weight, nope)
 
 
+def _experts(x, w13, w2, topk_weights, topk_ids, expert_start: int, ep_size: int, local_fn) -> Tensor:
+    """[T, Lat] in x's dtype: ``local_fn(x, w13, w2, weights, ids, expert_start) -> FP32`` on this rank's
+    experts, through the EP group's dispatch and combine when ``ep_size`` > 1."""
+    if ep_size > 1:
+        from ..runtime.ep import dispatch_combine
+
+        return dispatch_combine(x, w13, w2, topk_weights, topk_ids, expert_start, ep_size, local_fn)
+    return local_fn(x, w13, w2, topk_weights, topk_ids, expert_start).to(x.dtype)
+
+
 @torch.library.custom_op("kimi_k3::routed_experts", mutates_args=())
 def routed_experts(
     x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
@@ -144,17 +156,42 @@ def routed_experts(
     """
     # CUDA: two grouped GEMMs (the fair stock baseline); CPU: the readable reference
     local_fn = routed_experts_grouped if x.is_cuda else routed_experts_partial
-    local = lambda *a: local_fn(*a, beta, beta_lin)  # noqa: E731
-    if ep_size > 1:
-        from ..runtime.ep import dispatch_combine
-
-        return dispatch_combine(x, w13, w2, topk_weights, topk_ids, expert_start, ep_size, local)
-    return local(x, w13, w2, topk_weights, topk_ids, expert_start).to(x.dtype)
+    return _experts(x, w13, w2, topk_weights, topk_ids, expert_start, ep_size,
+                    lambda *a: local_fn(*a, beta, beta_lin))
 
 
 @routed_experts.register_fake
 def _(x, w13, w2, topk_weights, topk_ids, expert_start, ep_size, beta, beta_lin):
     return x.new_empty(x.shape[0], w2.shape[1])
+
+
+@torch.library.custom_op("kimi_k3::routed_experts_mxfp4", mutates_args=())
+def routed_experts_mxfp4(
+    x: Tensor, w13_packed: Tensor, w13_scale: Tensor, w2_packed: Tensor, w2_scale: Tensor, topk_weights: Tensor,
+    topk_ids: Tensor, expert_start: int, ep_size: int, beta: float, beta_lin: float,
+) -> Tensor:
+    """``routed_experts`` on the experts as K3 ships them: [T, Lat].
+
+    w13_packed [E, 2I, Lat/2] / w2_packed [E, Lat, I/2]: uint8, two E2M1 codes a byte (low nibble first);
+    w13_scale [E, 2I, Lat/g] / w2_scale [E, Lat, I/g]: uint8 E8M0 (2^(s-127)) or float scales, one per g
+    inputs (MXFP4: g = 32; ``stock/mxfp4.py``). The weights dequantize exactly to BF16; the rest is
+    ``routed_experts`` on them. CPU: the reference on the dequantized weights; CUDA: the touched experts
+    dequantized to BF16 by a Triton kernel, then the grouped GEMMs.
+    """
+    w13, w2 = Mxfp4Weight(w13_packed, w13_scale), Mxfp4Weight(w2_packed, w2_scale)
+    check_mxfp4("routed_experts_mxfp4 w13", w13_packed, w13_scale)
+    check_mxfp4("routed_experts_mxfp4 w2", w2_packed, w2_scale)
+    if x.is_cuda:  # mxfp4_cuda imports Triton: imported only for CUDA tensors
+        from .mxfp4_cuda import routed_experts_mxfp4_grouped as local_fn  # noqa: PLC0415
+    else:
+        local_fn = routed_experts_mxfp4_partial
+    return _experts(x, w13, w2, topk_weights, topk_ids, expert_start, ep_size,
+                    lambda *a: local_fn(*a, beta, beta_lin))
+
+
+@routed_experts_mxfp4.register_fake
+def _(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids, expert_start, ep_size, beta, beta_lin):
+    return x.new_empty(x.shape[0], w2_packed.shape[1])
 
 
 @torch.library.custom_op("kimi_k3::attn_res", mutates_args=("prefix", "bank"))

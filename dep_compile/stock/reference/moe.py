@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..mxfp4 import Mxfp4Weight
 from .common import situ
 
 
@@ -40,3 +41,13 @@ def routed_experts_partial(
         out.index_add_(0, tok, y * topk_weights[tok, slot].float().unsqueeze(1))
     return out
 
+
+
+def routed_experts_mxfp4_partial(
+    x: torch.Tensor, w13: Mxfp4Weight, w2: Mxfp4Weight, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    expert_start: int, beta: float, beta_lin: float,
+) -> torch.Tensor:
+    """The MXFP4 experts' reference, FP32 [T, Lat]: the weights dequantized to x's dtype (exact: an E2M1 value
+    times a power of two), then :func:`routed_experts_partial`."""
+    return routed_experts_partial(x, w13.dequantize(x.dtype), w2.dequantize(x.dtype), topk_weights, topk_ids,
+                                  expert_start, beta, beta_lin)

@@ -1,0 +1,139 @@
+"""MXFP4 routed experts as K3 ships them: the format against compressed-tensors, the stock op against the
+BF16 experts on the dequantized weights, the rewrite exact on CPU, and what the MoE pass refuses.
+
+compressed-tensors (0.17, the version vLLM 0.32 pins) is the format's authority: its compressor packs,
+its decompressor is what our dequantizer must equal, on every byte and scale. Its FP4 rounding is
+``torch.compile``d; ``TORCHDYNAMO_DISABLE`` is not needed for the small tensors here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dep_compile.stock import build_model, preset
+from dep_compile.stock.mxfp4 import E2M1, GROUP, Mxfp4Weight, dequantize, random_mxfp4, unpack_codes
+
+from helpers import run_pair
+
+ct = pytest.importorskip("compressed_tensors", reason="the dev extra installs compressed-tensors")
+BETA, BETA_LIN = 4.0, 25.0
+
+
+def _ct_compress(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """compressed-tensors' MXFP4 (weights only, the "MXFP4A16" scheme) of a BF16 ``w [N, K]``: (packed, scale)."""
+    from compressed_tensors.compressors import MXFP4PackedCompressor
+    from compressed_tensors.quantization import preset_name_to_scheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    scheme = preset_name_to_scheme("MXFP4A16", ["Linear"])
+    groups = w.unflatten(-1, (-1, GROUP))
+    scale, zp = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights)
+    out = MXFP4PackedCompressor.compress({"weight": w, "weight_scale": scale, "weight_zero_point": zp}, scheme)
+    return out["weight_packed"], out["weight_scale"]
+
+
+def _ct_decompress(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    from compressed_tensors.compressors import MXFP4PackedCompressor
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    scheme = preset_name_to_scheme("MXFP4A16", ["Linear"])
+    return MXFP4PackedCompressor.decompress({"weight_packed": packed, "weight_scale": scale}, scheme)["weight"]
+
+
+def test_every_code_byte_and_scale_dequantizes_as_compressed_tensors_does():
+    """All 256 bytes (both nibbles, every E2M1 code) under scales 2^-10 .. 2^5: bit-equal to its decompressor."""
+    packed = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(16, 1)  # [16, 256]: K = 512
+    scale = (117 + torch.arange(16)).to(torch.uint8)[:, None].repeat(1, 512 // GROUP)
+    ours, theirs = dequantize(packed, scale), _ct_decompress(packed, scale)
+    assert ours.dtype == theirs.dtype == torch.bfloat16
+    assert torch.equal(ours.view(torch.int16), theirs.view(torch.int16))  # -0 too
+    assert torch.equal(unpack_codes(packed[:1, :8])[0], torch.tensor([0, 0, 1, 0, 2, 0, 3, 0, 4, 0, 5, 0, 6, 0, 7, 0]))
+    assert [float(v) for v in dequantize(torch.tensor([[0x10 * c + c for c in range(16)]], dtype=torch.uint8),
+                                          torch.tensor([[127]], dtype=torch.uint8))[0, ::2]] == list(E2M1)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_compressed_tensors_round_trip(seed):
+    """compressed-tensors packs a random BF16 weight; our dequantizer reads its bytes back exactly as it does."""
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(64, 256, generator=g) * 0.05 * (1 + 3 * torch.rand(64, 1, generator=g))).to(torch.bfloat16)
+    packed, scale = _ct_compress(w)
+    assert packed.dtype == scale.dtype == torch.uint8 and packed.shape == (64, 128) and scale.shape == (64, 8)
+    deq = dequantize(packed, scale)
+    assert torch.equal(deq.view(torch.int16), _ct_decompress(packed, scale).view(torch.int16))
+    assert (deq.float() - w.float()).norm() / w.float().norm() < 0.2  # 4-bit weights: ~11 % seen
+
+
+def _experts_case(T=6, E=8, lat=64, inter=32, K=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, lat, generator=g).to(torch.bfloat16)
+    w13 = Mxfp4Weight(*random_mxfp4((E, 2 * inter, lat), g, lat ** -0.5))
+    w2 = Mxfp4Weight(*random_mxfp4((E, lat, inter), g, inter ** -0.5))
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    w = torch.rand(T, K, generator=g) + 0.1
+    return x, w13, w2, w, ids
+
+
+def test_stock_op_is_the_bf16_experts_on_the_dequantized_weights():
+    """The contract: dequantize (exact in BF16), then today's routed experts; bit-equal on CPU."""
+    x, w13, w2, w, ids = _experts_case()
+    got = torch.ops.kimi_k3.routed_experts_mxfp4(x, *w13, *w2, w, ids, 0, 1, BETA, BETA_LIN)
+    want = torch.ops.kimi_k3.routed_experts(x, w13.dequantize(), w2.dequantize(), w, ids, 0, 1, BETA, BETA_LIN)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want) and got.abs().max() > 0.05
+    # a scale of another expert, or swapped nibbles, changes the result (the test can fail)
+    rolled = Mxfp4Weight(w13.packed, w13.scale.roll(1, 0))
+    assert not torch.equal(got, torch.ops.kimi_k3.routed_experts_mxfp4(x, *rolled, *w2, w, ids, 0, 1, BETA, BETA_LIN))
+    swapped = Mxfp4Weight((w2.packed << 4) | (w2.packed >> 4), w2.scale)
+    assert not torch.equal(got, torch.ops.kimi_k3.routed_experts_mxfp4(x, *w13, *swapped, w, ids, 0, 1, BETA, BETA_LIN))
+
+
+def test_stock_op_checks_its_weights():
+    x, w13, w2, w, ids = _experts_case()
+    op = torch.ops.kimi_k3.routed_experts_mxfp4
+    with pytest.raises(ValueError, match="packed weights are torch.float32, not uint8"):
+        op(x, w13.packed.float(), w13.scale, *w2, w, ids, 0, 1, BETA, BETA_LIN)
+    with pytest.raises(ValueError, match="do not tile"):
+        op(x, *w13, w2.packed, w2.scale[..., :-1], w, ids, 0, 1, BETA, BETA_LIN)
+    torch.library.opcheck(op, (x, *w13, *w2, w, ids, 0, 1, BETA, BETA_LIN))
+
+
+def _mxfp4(name="k31-small", **kw):
+    return preset(name, num_layers=4, experts_format="mxfp4", **kw)
+
+
+def test_full_presets_ship_mxfp4_experts():
+    assert preset("k3").experts_format == preset("k31").experts_format == "mxfp4"
+    assert preset("k31-small").experts_format == "bf16"
+    with pytest.raises(ValueError, match="experts_format 'fp4'"):
+        preset("k3-small", experts_format="fp4")
+    m = build_model(_mxfp4(), seed=0)
+    e = m.model.layers[1].mlp.experts
+    assert e.w13_weight_packed.shape == (64, 128, 64) and e.w13_weight_scale.shape == (64, 128, 4)
+    assert e.w2_weight_packed.shape == (64, 128, 32) and e.w2_weight_scale.shape == (64, 128, 2)
+    rms = Mxfp4Weight(e.w13_weight_packed, e.w13_weight_scale).dequantize().float().pow(2).mean().sqrt()
+    assert 0.5 * 128 ** -0.5 < rms < 1.5 * 128 ** -0.5  # the BF16 experts' scale
+
+
+@pytest.mark.parametrize("q", [1, 2])
+def test_rewrite_exact_on_cpu(q):
+    """k31-small with MXFP4 experts: every MoE becomes kimi_dep.moe_mxfp4, logits and caches bit-equal to eager
+    over several decode / verify steps (cuBLAS tactics: the rewrite's contract on CPU is exact)."""
+    accepted = None if q == 1 else (lambda i, b: [1 + (i + r) % q for r in range(b)])
+    r = run_pair(_mxfp4(), steps=4, batch=3, q=q, accepted=accepted)
+    moe = r.report.rewritten("moe")
+    assert len(moe) == 3 and all(m.op == "kimi_dep.moe_mxfp4" and m.validation.startswith("probe") for m in moe), \
+        r.report.table()
+    assert r.report.num_rewritten == 7 and r.logits_err == 0.0 and r.cache_err == 0.0
+
+
+def test_validation_catches_a_kernel_that_reads_nibbles_the_other_way(monkeypatch):
+    """The probe draws random codes and scales: a replacement that swaps the nibbles is left stock."""
+    from dep_compile.ops import moe as moe_op
+
+    real = moe_op.Mxfp4Weight
+    monkeypatch.setattr(moe_op, "Mxfp4Weight", lambda p, s: real((p << 4) | (p >> 4), s))
+    r = run_pair(_mxfp4(), steps=2, batch=2)
+    bad = r.report.stock("moe")
+    assert len(bad) == 3 and all(m.check == "semantic" for m in bad), r.report.table()
+    assert r.logits_err == 0.0 and r.cache_err == 0.0
