@@ -6,7 +6,8 @@
 The model: ``preset("k31", num_layers=--layers)`` with ``--experts`` routed experts (default the
 slice of issue 17: [KDA + dense MLP, KDA, KDA, DSA], 3 MoE layers of 64 experts top-16, lm_head),
 or with ``--local-experts N`` an EP16 rank's shape: a router over 896 experts and N local experts
-(ids owned by other ranks add nothing). Random BF16 weights, drawn on the device.
+(ids owned by other ranks add nothing). Random weights, drawn on the device: BF16, and the routed experts
+in the preset's format (MXFP4 as K3 ships them) or ``--experts-format``.
 
 Per point (``rows`` requests x ``q`` tokens, ``context`` tokens per request after the step), in
 one process: eager stock, stock compiled by plain Inductor, and the ``kimi_dep``-compiled model,
@@ -53,7 +54,8 @@ from dep_compile.stock import KimiCache, RequestBatch, preset  # noqa: E402
 from dep_compile.ops.moe import EpMoeLayer  # noqa: E402
 from dep_compile.stock import ops as stock_ops  # noqa: E402
 from dep_compile.stock.model import KimiK3ForCausalLM  # noqa: E402
-from dep_compile.stock.moe import FusedExperts  # noqa: E402
+from dep_compile.stock.moe import EXPERTS  # noqa: E402
+from dep_compile.stock.mxfp4 import random_mxfp4  # noqa: E402
 
 SIDES = ("stock", "kimi_dep")  # stock = the stock model compiled by plain Inductor
 # Kernel families for --profile, first match wins (lower-case substrings of the kernel name). Inductor's
@@ -87,13 +89,20 @@ def build_model(cfg, device, seed: int = 0, local_experts: int | None = None) ->
         if local_experts:
             for layer in model.model.layers:
                 if hasattr(layer.mlp, "experts"):
-                    layer.mlp.experts = FusedExperts(cfg, num_local=local_experts, ep_size=1)
+                    layer.mlp.experts = EXPERTS[cfg.experts_format](cfg, num_local=local_experts, ep_size=1)
     model = model.to_empty(device=device)
     g = torch.Generator(device=device).manual_seed(seed)
     keep_fp32 = ("A_log", "dt_bias", "e_score_correction_bias")
+    params = dict(model.named_parameters())
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in params.items():
             leaf = name.rsplit(".", 1)[-1]
+            if leaf.endswith("_weight_packed"):  # MXFP4 experts: random codes, scales for the BF16 RMS
+                k = 2 * p.shape[-1]
+                p.data, params[name.replace("_packed", "_scale")].data = random_mxfp4((*p.shape[:-1], k), g, k ** -0.5)
+                continue
+            if p.dtype == torch.uint8:  # a scale, drawn with its codes
+                continue
             val = torch.empty(p.shape, device=device)
             if name.endswith("norm.weight") or ".k_norm." in name:
                 val.normal_(1.0 if leaf == "weight" else 0.0, 0.1, generator=g)
@@ -168,10 +177,9 @@ def floor_bytes(model: KimiK3ForCausalLM, rows: int, q: int, context: int, routi
             weights += nbytes
     moe = [layer.mlp.experts for layer in model.model.layers if hasattr(layer.mlp, "experts")]
     for experts_mod, ids in zip(moe, routing[:len(moe)]):
-        num_local = experts_mod.w13_weight.shape[0]
-        per_expert = (experts_mod.w13_weight[0].numel() + experts_mod.w2_weight[0].numel()) * 2
+        per_expert = sum(p[0].numel() * p.element_size() for p in experts_mod.parameters())  # BF16, or MXFP4 codes + scales
         touched = ids - experts_mod.expert_start
-        experts += touched[(touched >= 0) & (touched < num_local)].unique().numel() * per_expert
+        experts += touched[(touched >= 0) & (touched < experts_mod.num_local)].unique().numel() * per_expert
     kinds = [layer.kind for layer in model.model.layers]
     states = kinds.count("kda") * traffic_bytes(cfg, "kda", rows, q)
     attention = sum(traffic_bytes(cfg, k, rows, q, context) for k in kinds if k in ("dsa", "mla"))
@@ -360,6 +368,8 @@ def parse_args(argv=None):
     ap.add_argument("--preset", default="k31")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--experts", type=int, default=64, help="routed experts (router and local)")
+    ap.add_argument("--experts-format", choices=["bf16", "mxfp4"], default=None,
+                    help="the routed experts' weights (default: the preset's; k3 / k31 ship MXFP4)")
     ap.add_argument("--local-experts", type=int, default=None,
                     help="EP-rank shape: a router over 896 experts, this many local (e.g. 56 for EP16)")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 64])
@@ -379,15 +389,18 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     device = torch.device(args.device)
     experts = 896 if args.local_experts else args.experts
-    cfg = preset(args.preset, num_layers=args.layers, n_routed_experts=experts)
+    cfg = preset(args.preset, num_layers=args.layers, n_routed_experts=experts,
+                 **({"experts_format": args.experts_format} if args.experts_format else {}))
     raise_recompile_limits(4 * len(args.rows) * len(args.q) * len(args.context))
     t0 = time.perf_counter()
     model = build_model(cfg, device, local_experts=args.local_experts)
     local = f" ({args.local_experts} local)" if args.local_experts else ""
-    print(f"model: {cfg.name}, {args.layers} layers {[l.kind for l in model.model.layers]}, {experts} experts{local}; "
+    print(f"model: {cfg.name}, {args.layers} layers {[l.kind for l in model.model.layers]}, {experts} "
+          f"{cfg.experts_format} experts{local}; "
           f"built in {time.perf_counter() - t0:.1f} s", flush=True)
     points: list[dict] = []
-    meta = dict(preset=cfg.name, layers=args.layers, experts=experts, local_experts=args.local_experts,
+    meta = dict(preset=cfg.name, layers=args.layers, experts=experts, experts_format=cfg.experts_format,
+                local_experts=args.local_experts,
                 command="python benchmarks/bench_decoder.py " + " ".join(sys.argv[1:] if argv is None else argv))
     for q in args.q:
         for ctx in args.context:

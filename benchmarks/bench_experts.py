@@ -1,8 +1,9 @@
 """Routed experts on the GPU: kimi_dep's Triton kernels vs stock's two ``torch._grouped_mm`` calls.
 
-    python benchmarks/bench_experts.py [--out DIR] [--sweep] [--tokens 1 2 4 ...] [--ep-rows 16 32 ...]
+    python benchmarks/bench_experts.py [--format bf16|mxfp4] [--out DIR] [--sweep] [--tokens 1 2 4 ...] [--ep-rows ...]
 
-K3 widths (latent 3584, intermediate 3072, top-16, BF16). Two settings, one process, same inputs:
+K3 widths (latent 3584, intermediate 3072, top-16; BF16 experts, or ``--format mxfp4`` as K3 ships them:
+E2M1 codes two a byte and an E8M0 scale per 32 inputs). Two settings, one process, same inputs:
 
 * **slice**: 64 local experts (the full-width slice), 1..64 tokens, each picking 16 distinct
   experts of the 64;
@@ -10,12 +11,15 @@ K3 widths (latent 3584, intermediate 3072, top-16, BF16). Two settings, one proc
   896, so about ``R`` routed rows land on the rank (the actual count is reported).
 
 Each point is first checked against the CPU reference's function (``routed_experts_partial``,
-run on the GPU): relative Frobenius error of both sides. Then both are timed with CUDA events
-over CUDA-graph replays (``benchmarks/common.py``), the expert weights rotated past L2 (copies
-of w13 / w2, launch ``i`` reads copy ``i % copies``); medians. TB/s counts the touched experts'
-weights (w13 + w2 of every local expert with at least one row), the floor is those bytes at
-4.33 TB/s (measured read ceiling) and 4.8 TB/s (spec). ``--sweep`` also times a few tile
-tactics. Writes ``experts.json`` and ``experts.png`` to ``--out``.
+run on the GPU, on the dequantized weights for MXFP4): relative Frobenius error of both sides;
+MXFP4 kimi_dep must also be bit-equal to its BF16 kernels on the dequantized weights. Then each is
+timed with CUDA events over CUDA-graph replays (``benchmarks/common.py``), the expert weights
+rotated past L2 (copies of w13 / w2, launch ``i`` reads copy ``i % copies``); medians. Stock is
+the grouped GEMMs (MXFP4: the touched experts dequantized to BF16 first, ``stock/mxfp4_cuda.py``).
+MXFP4 also times kimi_dep's BF16 kernels on the same logical weights (``bf16 µs``). TB/s counts the
+touched experts' stored bytes (w13 + w2 of every local expert with at least one row; MXFP4: codes
+and scales), the floor is those bytes at 4.33 TB/s (measured read ceiling) and 4.8 TB/s (spec).
+``--sweep`` also times a few tile tactics. Writes ``experts[_mxfp4].json`` and ``.png`` to ``--out``.
 """
 
 from __future__ import annotations
@@ -32,14 +36,28 @@ from common import (HBM_PRACTICAL_BPS, floors_us, format_table, kernel_profile, 
 
 from dep_compile.ops.experts_triton import DEFAULT_TACTIC, ExpertsTactic, routed_experts_triton  # noqa: E402
 from dep_compile.stock.grouped_experts import routed_experts_grouped  # noqa: E402
+from dep_compile.stock.mxfp4 import GROUP, Mxfp4Weight, random_mxfp4  # noqa: E402
+from dep_compile.stock.mxfp4_cuda import routed_experts_mxfp4_grouped  # noqa: E402
 from dep_compile.stock.reference.moe import routed_experts_partial  # noqa: E402
 
 LAT, INTER, TOP_K, BETA, BETA_LIN = 3584, 3072, 16, 4.0, 25.0
-EXPERT_BYTES = 3 * INTER * LAT * 2
+EXPERT_BYTES = {"bf16": 3 * INTER * LAT * 2, "mxfp4": 3 * INTER * (LAT // 2 + LAT // GROUP)}  # stored bytes
+
+
+def _local(w, E):
+    """The first ``E`` experts of a stacked weight (BF16 tensor or Mxfp4Weight)."""
+    return Mxfp4Weight(w.packed[:E], w.scale[:E]) if isinstance(w, Mxfp4Weight) else w[:E]
 SWEEP = [  # run 1 (docs/perf_experts.md) also timed w8 and k256 variants: slower everywhere
     ExpertsTactic(32, 64, 128, 4, 4),  # half-width GEMM1 tiles: twice the programs
     ExpertsTactic(64, 64, 128, 4, 4, block_m=16),  # 16-row passes at every batch
     ExpertsTactic(64, 128, 128, 8, 4),  # wider GEMM2 tiles
+]
+
+
+MXFP4_TACTICS = [
+    ExpertsTactic(ptx_dequant=True),
+    ExpertsTactic(block_k=256, num_stages=3, ptx_dequant=True),  # 128-byte code rows a step
+    ExpertsTactic(block_n1=32, block_n2=32, ptx_dequant=True),  # twice the programs: more dequant in flight
 ]
 
 
@@ -56,32 +74,54 @@ def run_point(setting, tokens, E, start, total, w13s, w2s, gen, tactics, profile
     tw, ids = routing(tokens, total, gen)
     local = ids[(ids >= start) & (ids < start + E)]
     rows, touched = int(local.numel()), int(local.unique().numel())
-    nbytes = touched * EXPERT_BYTES
-    w13, w2 = w13s[0][:E], w2s[0][:E]
-    ref = routed_experts_partial(x, w13, w2, tw, ids, start, BETA, BETA_LIN)
-    stock = lambda i: routed_experts_grouped(x, w13s[i % len(w13s)][:E], w2s[i % len(w2s)][:E], tw, ids,  # noqa: E731
-                                             start, BETA, BETA_LIN)
+    mxfp4 = isinstance(w13s[0], Mxfp4Weight)
+    nbytes = touched * EXPERT_BYTES["mxfp4" if mxfp4 else "bf16"]
+    w13, w2 = _local(w13s[0], E), _local(w2s[0], E)
+    dense = (w13.dequantize(), w2.dequantize()) if mxfp4 else (w13, w2)
+    ref = routed_experts_partial(x, *dense, tw, ids, start, BETA, BETA_LIN)
+    grouped = routed_experts_mxfp4_grouped if mxfp4 else routed_experts_grouped
+    stock = lambda i: grouped(x, _local(w13s[i % len(w13s)], E), _local(w2s[i % len(w2s)], E), tw, ids,  # noqa: E731
+                              start, BETA, BETA_LIN)
     row = dict(setting=setting, tokens=tokens, experts=E, rows=rows, touched=touched, bytes=nbytes,
                err_stock=rel_err(stock(0), ref))
     n_steps = steps_per_replay(nbytes / HBM_PRACTICAL_BPS * 1e6 * 1.3, len(w13s))
     row["stock_us"] = time_graph(stock, n_steps)["median_us"]
     for name, tac in tactics.items():
         def fn(i, tac=tac):
-            return routed_experts_triton(x, w13s[i % len(w13s)][:E], w2s[i % len(w2s)][:E], tw, ids, start, BETA,
-                                         BETA_LIN, tactic=tac)
+            return routed_experts_triton(x, _local(w13s[i % len(w13s)], E), _local(w2s[i % len(w2s)], E), tw, ids,
+                                         start, BETA, BETA_LIN, tactic=tac)
 
         err = rel_err(fn(0), ref)
         assert err < 4e-3, f"{setting} {tokens} tokens, {name}: rel err {err}"
+        if mxfp4:
+            assert torch.equal(fn(0), routed_experts_triton(x, *dense, tw, ids, start, BETA, BETA_LIN, tactic=tac)), \
+                f"{setting} {tokens} tokens, {name}: MXFP4 kernels differ from the BF16 ones on the dequantized weights"
         row[f"err_{name}"] = err
         row[f"{name}_us"] = time_graph(fn, n_steps)["median_us"]
+    if mxfp4:  # kimi_dep's BF16 kernels on the same logical weights (4x the bytes)
+        bf16 = lambda i: routed_experts_triton(x, *dense, tw, ids, start, BETA, BETA_LIN)  # noqa: E731
+        row["bf16_us"] = time_graph(bf16, steps_per_replay(4 * nbytes / HBM_PRACTICAL_BPS * 1e6 * 1.3, 1))["median_us"]
     if profile:
         row["profile"] = kernel_profile(lambda: routed_experts_triton(x, w13, w2, tw, ids, start, BETA, BETA_LIN))
     fl = floors_us(nbytes)
     row.update(floor_433_us=fl["practical"], floor_48_us=fl["spec"], stock_tbps=tbps(nbytes, row["stock_us"]),
                dep_tbps=tbps(nbytes, row["dep_us"]), ratio=row["stock_us"] / row["dep_us"])
     print(f"{setting} T={tokens}: rows {rows} touched {touched} stock {row['stock_us']:.1f} µs, "
-          + ", ".join(f"{n} {row[n + '_us']:.1f}" for n in tactics), flush=True)
+          + ", ".join(f"{n} {row[n + '_us']:.1f}" for n in tactics)
+          + (f", BF16 kernels {row['bf16_us']:.1f}" if mxfp4 else ""), flush=True)
     return row
+
+
+def expert_weights(fmt: str, E: int, copies: int, seed: int = 0):
+    """``copies`` sets of ``E`` experts' (w13, w2) on the GPU, in ``fmt`` (random, drawn there)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    if fmt == "mxfp4":
+        return ([Mxfp4Weight(*random_mxfp4((E, 2 * INTER, LAT), g, 2 * LAT ** -0.5)) for _ in range(copies)],
+                [Mxfp4Weight(*random_mxfp4((E, LAT, INTER), g, INTER ** -0.5)) for _ in range(copies)])
+    return ([(torch.randn(E, 2 * INTER, LAT, device="cuda", generator=g) * LAT ** -0.5 * 2).to(torch.bfloat16)
+             for _ in range(copies)],
+            [(torch.randn(E, LAT, INTER, device="cuda", generator=g) * INTER ** -0.5).to(torch.bfloat16)
+             for _ in range(copies)])
 
 
 def main() -> None:
@@ -90,18 +130,18 @@ def main() -> None:
     ap.add_argument("--ep-rows", type=int, nargs="+", default=[16, 32, 64, 128, 256, 512, 1024])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--sweep", action="store_true", help="also time the tactics in SWEEP")
+    ap.add_argument("--format", choices=["bf16", "mxfp4"], default="bf16", help="the experts' weights")
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     tactics = {"dep": DEFAULT_TACTIC}
+    if args.format == "mxfp4":  # the two dequantizers: Triton integer ops (default) and PTX (two values an op)
+        tactics.update({str(t): t for t in MXFP4_TACTICS})
     if args.sweep:
         tactics.update({str(t): t for t in SWEEP})
     E_SLICE, E_EP, EP_START, EP_TOTAL = 64, 56, 3 * 56, 896
-    copies = rotation_copies(E_EP * EXPERT_BYTES)
+    copies = rotation_copies(E_EP * EXPERT_BYTES[args.format])
     # one set of 64 experts per copy; the EP rank uses the first 56 of them
-    w13s = [(torch.randn(E_SLICE, 2 * INTER, LAT, device="cuda") * LAT ** -0.5 * 2).to(torch.bfloat16)
-            for _ in range(copies)]
-    w2s = [(torch.randn(E_SLICE, LAT, INTER, device="cuda") * INTER ** -0.5).to(torch.bfloat16)
-           for _ in range(copies)]
+    w13s, w2s = expert_weights(args.format, E_SLICE, copies)
     results = []
     with torch.no_grad():
         for T in args.tokens:
@@ -109,10 +149,13 @@ def main() -> None:
         for R in args.ep_rows:
             results.append(run_point("ep16", R, E_EP, EP_START, EP_TOTAL, w13s, w2s, gen, tactics,
                                      profile=R in (16, 1024)))
-    headers = ["setting", "tokens", "rows", "experts", "GB", "stock µs", "dep µs", "ratio", "stock TB/s", "dep TB/s",
-               "dep/4.33", "floor@4.33", "floor@4.8", "err stock", "err dep"]
-    table = [[r["setting"], r["tokens"], r["rows"], r["touched"], f"{r['bytes'] / 1e9:.2f}", f"{r['stock_us']:.1f}",
-              f"{r['dep_us']:.1f}", f"{r['ratio']:.2f}", f"{r['stock_tbps']:.2f}", f"{r['dep_tbps']:.2f}",
+    mx = args.format == "mxfp4"
+    headers = ["setting", "tokens", "rows", "experts", "GB", "stock µs", "dep µs", "ratio", *(["BF16 dep µs", "vs BF16"]
+               if mx else []), "stock TB/s", "dep TB/s", "dep/4.33", "floor@4.33", "floor@4.8", "err stock", "err dep"]
+    table = [[r["setting"], r["tokens"], r["rows"], r["touched"], f"{r['bytes'] / 1e9:.3f}", f"{r['stock_us']:.1f}",
+              f"{r['dep_us']:.1f}", f"{r['ratio']:.2f}",
+              *([f"{r['bf16_us']:.1f}", f"{r['bf16_us'] / r['dep_us']:.2f}"] if mx else []),
+              f"{r['stock_tbps']:.2f}", f"{r['dep_tbps']:.2f}",
               f"{r['dep_tbps'] * 1e12 / HBM_PRACTICAL_BPS:.2f}", f"{r['floor_433_us']:.1f}",
               f"{r['floor_48_us']:.1f}", f"{r['err_stock']:.1e}", f"{r['err_dep']:.1e}"] for r in results]
     if args.sweep:
@@ -124,17 +167,18 @@ def main() -> None:
             print(f"  {r['setting']} {r['tokens']}: {k['us']:8.1f} µs x{k['launches']:.0f} {k['kernel']}")
     print(format_table(headers, table))
     os.makedirs(args.out, exist_ok=True)
-    write_json(os.path.join(args.out, "experts.json"),
-               {"tactic": str(DEFAULT_TACTIC), "copies": copies, "rows": results})
+    stem = "experts_mxfp4" if mx else "experts"
+    write_json(os.path.join(args.out, f"{stem}.json"),
+               {"tactic": str(DEFAULT_TACTIC), "format": args.format, "copies": copies, "rows": results})
     panels = []
     for setting, title in (("slice", "slice: 64 local experts"), ("ep16", "EP16 rank: 56 local of 896")):
         rs = [r for r in results if r["setting"] == setting]
         if rs:
             panels.append({"title": title + " (TB/s of touched experts)", "x": [r["tokens"] for r in rs],
-                           "series": {"stock _grouped_mm": [r["stock_tbps"] for r in rs],
+                           "series": {"stock " + ("dequant + " if mx else "") + "_grouped_mm": [r["stock_tbps"] for r in rs],
                                       "kimi_dep Triton": [r["dep_tbps"] for r in rs]},
                            "hlines": {"4.33 TB/s read ceiling": 4.33, "4.8 TB/s spec": 4.8}})
-    plot_panels(os.path.join(args.out, "experts.png"), panels, xlabel="tokens (EP16: ~routed rows)", ylabel="TB/s")
+    plot_panels(os.path.join(args.out, f"{stem}.png"), panels, xlabel="tokens (EP16: ~routed rows)", ylabel="TB/s")
 
 
 if __name__ == "__main__":

@@ -1,15 +1,17 @@
 """The K3 MoE layer on the GPU: stock compiled by plain Inductor vs kimi_dep (EpMoeLayer schedule).
 
-    python benchmarks/bench_moe.py [--rows 1 2 4 8 16 32 64] [--out DIR] [--trace]
+    python benchmarks/bench_moe.py [--rows 1 2 4 8 16 32 64] [--experts mxfp4 bf16] [--out DIR] [--trace]
 
 One full-size layer as one EP16 rank holds it: router over 896 experts, the 56 local experts
-(ids owned by other ranks add nothing), latent 3584, shared expert 6144, hidden 7168, BF16.
+(ids owned by other ranks add nothing), latent 3584, shared expert 6144, hidden 7168, BF16; the
+routed experts in each ``--experts`` format (MXFP4 as K3 ships them, and BF16), each its own model.
 Both sides are compiled with ``fullgraph=True, dynamic=False`` (one graph per batch, as serving
 captures one per batch size) and CUDA-graph captured, on the same inputs, in one process. The layer reads
 >400 MB of weights per step (7x the 60 MB L2), so weights are not rotated. For each batch it
 prints the layer's median µs both ways and their ratio, the experts call alone, and the
 non-expert part (layer - experts) both ways; the floor counts the non-expert weights plus
-the touched experts' weights. ``--trace`` writes a profiler trace of one step each way at ``--trace-rows``
+the touched experts' stored bytes (MXFP4: codes and scales). With both formats, ``vs BF16`` is the
+BF16 kimi_dep layer's time over the MXFP4 kimi_dep layer's, per batch. ``--trace`` writes a profiler trace of one step each way at ``--trace-rows``
 (CUDA-graph replays; router and shared expert on the side stream) and prints how much
 side-stream kernel time overlaps main-stream kernels.
 """
@@ -44,10 +46,10 @@ class MoeBlock(torch.nn.Module):
         return self.mlp(x)
 
 
-def touched_expert_bytes(ids: torch.Tensor, num_local: int, cfg) -> int:
-    local = ids[(ids >= 0) & (ids < num_local)].unique().numel()
-    per_expert = 3 * cfg.moe_intermediate * cfg.moe_latent_size * 2
-    return local * per_expert
+def touched_expert_bytes(ids: torch.Tensor, experts: torch.nn.Module) -> int:
+    """Stored bytes of the local experts some id picks (every parameter of the experts module, per expert)."""
+    local = ids[(ids >= 0) & (ids < experts.num_local)].unique().numel()
+    return local * sum(p[0].numel() * p.element_size() for p in experts.parameters())
 
 
 def main() -> None:
@@ -57,25 +59,57 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--trace", action="store_true")
     ap.add_argument("--trace-rows", type=int, default=16)
+    ap.add_argument("--experts", nargs="+", choices=["mxfp4", "bf16"], default=["mxfp4", "bf16"])
     args = ap.parse_args()
     torch.manual_seed(0)
-    raise_recompile_limits(2 * len(args.rows))
-    cfg = preset("k3")
-    block = init_weights(MoeBlock(cfg, args.local_experts), seed=0).cuda().eval().requires_grad_(False)
+    raise_recompile_limits(2 * len(args.rows) * len(args.experts))
+    rows_out = []
+    for fmt in args.experts:
+        cfg = preset("k3", experts_format=fmt)
+        rows_out += run_format(cfg, args.rows, args.local_experts, args.out if args.trace else None, args.trace_rows)
+    by = {(r["experts"], r["rows"]): r for r in rows_out}
+    for r in rows_out:
+        bf16 = by.get(("bf16", r["rows"]))
+        r["vs_bf16"] = bf16["dep_us"] / r["dep_us"] if bf16 else float("nan")
+    headers = ["experts", "rows", "stock µs", "kimi_dep µs", "ratio", "vs BF16", "experts µs", "non-exp stock",
+               "non-exp dep", "non-exp ratio", "floor@4.33", "floor@4.8", "dep/floor", "rel err"]
+    table = [[r["experts"], r["rows"], f"{r['stock_us']:.1f}", f"{r['dep_us']:.1f}", f"{r['ratio']:.3f}", f"{r['vs_bf16']:.2f}", f"{r['experts_us']:.1f}",
+              f"{r['nonexpert_stock_us']:.1f}", f"{r['nonexpert_dep_us']:.1f}", f"{r['nonexpert_ratio']:.2f}",
+              f"{r['floor_433_us']:.1f}", f"{r['floor_48_us']:.1f}", f"{r['dep_us'] / r['floor_433_us']:.2f}", f"{r['max_err']:.1e}"]
+             for r in rows_out]
+    print(format_table(headers, table))
+    os.makedirs(args.out, exist_ok=True)
+    write_json(os.path.join(args.out, "moe.json"), {"rows": rows_out})
+    panels = []
+    for fmt in args.experts:
+        rs = [r for r in rows_out if r["experts"] == fmt]
+        panels.append({"title": f"K3 MoE layer, {fmt} experts (EP16 rank: 56 local)", "x": [r["rows"] for r in rs],
+                       "series": {"stock (Inductor)": [r["stock_us"] for r in rs],
+                                  "kimi_dep": [r["dep_us"] for r in rs],
+                                  "experts alone (stock op)": [r["experts_us"] for r in rs],
+                                  "floor @4.33 TB/s": [r["floor_433_us"] for r in rs]}})
+    plot_panels(os.path.join(args.out, "moe.png"), panels, xlabel="rows", ylabel="µs")
+
+
+def run_format(cfg, batches: list[int], num_local: int, trace_dir: str | None, trace_rows: int) -> list[dict]:
+    """Stock (Inductor) and kimi_dep MoE layers of ``cfg``'s experts format at each batch: the result rows
+    (and, with ``trace_dir``, both ways' profiler traces at ``trace_rows``)."""
+    block = init_weights(MoeBlock(cfg, num_local), seed=0).cuda().eval().requires_grad_(False)
     stock = torch.compile(block, backend="inductor", fullgraph=True, dynamic=False)
     dep = torch.compile(block, backend="kimi_dep", fullgraph=True, dynamic=False)
     mlp = block.mlp
     non_expert_bytes = 2 * sum(p.numel() for n, p in mlp.named_parameters() if not n.startswith("experts."))
-    rows_out = []
+    out = []
     with torch.no_grad():
-        for T in args.rows:
+        for T in batches:
             x = torch.randn(T, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
             ref = block(x)
             got_dep, got_stock = dep(x), stock(x)
             # relative Frobenius error: BF16 rounding and the split-K / FP32-router summation order
             # (a near-tie in the top-16 may flip one expert of one token) stay well under 2e-2
             err, err_stock = rel_err(got_dep, ref), rel_err(got_stock, ref)
-            assert err < 2e-2 and err_stock < 2e-2, f"rows {T}: rel err kimi_dep {err}, stock {err_stock}"
+            assert err < 2e-2 and err_stock < 2e-2, \
+                f"{cfg.experts_format} rows {T}: rel err kimi_dep {err}, stock {err_stock}"
             rep = dep_compile.last_report()
             # the experts call alone, on this batch's routing
             topk_w, topk_ids = mlp.gate(x)
@@ -84,35 +118,22 @@ def main() -> None:
             t_exp = time_graph(experts, 8)["median_us"]
             t_stock = time_graph(lambda i: stock(x), 8)["median_us"]
             t_dep = time_graph(lambda i: dep(x), 8)["median_us"]
-            nbytes = non_expert_bytes + touched_expert_bytes(topk_ids, args.local_experts, cfg)
+            nbytes = non_expert_bytes + touched_expert_bytes(topk_ids, mlp.experts)
             fl = floors_us(nbytes)
             ne_stock, ne_dep = t_stock - t_exp, t_dep - t_exp
-            rows_out.append(dict(rows=T, stock_us=t_stock, dep_us=t_dep, ratio=t_stock / t_dep, experts_us=t_exp,
-                                 nonexpert_stock_us=ne_stock, nonexpert_dep_us=ne_dep,
-                                 nonexpert_ratio=ne_stock / ne_dep if ne_dep > 0 else float("nan"),
-                                 floor_433_us=fl["practical"], floor_48_us=fl["spec"], bytes=nbytes, max_err=err,
-                                 rewritten=[m.op for m in rep.layers]))
-    headers = ["rows", "stock µs", "kimi_dep µs", "ratio", "experts µs", "non-exp stock", "non-exp dep", "non-exp ratio",
-               "floor@4.33", "floor@4.8", "dep/floor", "rel err"]
-    table = [[r["rows"], f"{r['stock_us']:.1f}", f"{r['dep_us']:.1f}", f"{r['ratio']:.3f}", f"{r['experts_us']:.1f}",
-              f"{r['nonexpert_stock_us']:.1f}", f"{r['nonexpert_dep_us']:.1f}", f"{r['nonexpert_ratio']:.2f}",
-              f"{r['floor_433_us']:.1f}", f"{r['floor_48_us']:.1f}", f"{r['dep_us'] / r['floor_433_us']:.2f}", f"{r['max_err']:.1e}"]
-             for r in rows_out]
-    print(format_table(headers, table))
-    os.makedirs(args.out, exist_ok=True)
-    write_json(os.path.join(args.out, "moe.json"), {"rows": rows_out})
-    plot_panels(os.path.join(args.out, "moe.png"), [
-        {"title": "K3 MoE layer (EP16 rank: 56 local experts)", "x": [r["rows"] for r in rows_out],
-         "series": {"stock (Inductor)": [r["stock_us"] for r in rows_out], "kimi_dep": [r["dep_us"] for r in rows_out],
-                    "experts alone": [r["experts_us"] for r in rows_out],
-                    "floor @4.33 TB/s": [r["floor_433_us"] for r in rows_out]}},
-        {"title": "non-expert part (layer - experts)", "x": [r["rows"] for r in rows_out],
-         "series": {"stock": [r["nonexpert_stock_us"] for r in rows_out],
-                    "kimi_dep": [r["nonexpert_dep_us"] for r in rows_out]}},
-    ], xlabel="rows", ylabel="µs")
-    if args.trace:
-        overlap_report(dep, cfg, args.out, args.trace_rows)
-        overlap_report(stock, cfg, args.out, args.trace_rows, name="stock")
+            out.append(dict(experts=cfg.experts_format, rows=T, stock_us=t_stock, dep_us=t_dep, ratio=t_stock / t_dep,
+                            experts_us=t_exp, nonexpert_stock_us=ne_stock, nonexpert_dep_us=ne_dep,
+                            nonexpert_ratio=ne_stock / ne_dep if ne_dep > 0 else float("nan"),
+                            floor_433_us=fl["practical"], floor_48_us=fl["spec"], bytes=nbytes, max_err=err,
+                            rewritten=[m.op for m in rep.layers]))
+            print(f"{cfg.experts_format} rows {T}: stock {t_stock:.1f} µs, kimi_dep {t_dep:.1f} µs, floor "
+                  f"{fl['practical']:.1f} ({', '.join(m.op for m in rep.layers)})", flush=True)
+        if trace_dir:
+            overlap_report(dep, cfg, trace_dir, trace_rows)
+            overlap_report(stock, cfg, trace_dir, trace_rows, name="stock")
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()
+    return out
 
 
 def overlap_report(fn, cfg, out_dir: str, rows: int = 16, name: str = "kimi_dep") -> None:

@@ -238,3 +238,117 @@ def test_moe_op_matches_stock_layer():
     # BF16 outputs; the FP32 router summed in another order can flip a near-tied expert
     rel = float((out.float() - ref.float()).norm() / ref.float().norm())
     assert rel < 2e-2, rel
+
+
+# ---- MXFP4 experts (K3's format): dequantized in registers --------------------------------------------
+
+SMALL_MX = dict(lat=96, inter=64, E=12, K=4)  # widths divisible by the MXFP4 group (32)
+
+
+def _mx_case(T, *, lat, inter, E, K, E_total=None, ids=None, seed=0):
+    """(x, w13, w2, topk_weights, topk_ids) with MXFP4 experts (random codes, scales for the BF16 case's RMS)."""
+    from dep_compile.stock.mxfp4 import Mxfp4Weight, random_mxfp4
+
+    g = torch.Generator().manual_seed(seed)
+    gd = torch.Generator(device=_DEV).manual_seed(seed)
+    x = torch.randn(T, lat, generator=gd, device=_DEV).to(torch.bfloat16)
+    w13 = Mxfp4Weight(*random_mxfp4((E, 2 * inter, lat), gd, 2 * lat ** -0.5))  # drawn on the device: GBs
+    w2 = Mxfp4Weight(*random_mxfp4((E, lat, inter), gd, inter ** -0.5))
+    if ids is None:
+        ids = torch.stack([torch.randperm(E_total or E, generator=g)[:K] for _ in range(T)])
+    w = torch.rand(T, K, generator=g) + 0.1
+    return x, w13, w2, w.to(_DEV), ids.to(_DEV)
+
+
+def _mx_tactic(et, size):
+    return et.ExpertsTactic(block_n1=32, block_n2=64, block_k=64, num_warps=4, num_stages=2) if size == "small" \
+        else et.DEFAULT_TACTIC
+
+
+def _check_mx(et, case, start, tactic):
+    """MXFP4 kernels: bit-equal to the BF16 kernels on the dequantized weights (the contract), and within the
+    BF16 kernels' bounds of the reference on them."""
+    x, w13, w2, w, ids = case
+    got = et.routed_experts_triton(x, w13, w2, w, ids, start, BETA, BETA_LIN, tactic=tactic)
+    dense = (x, w13.dequantize(), w2.dequantize(), w, ids)
+    assert torch.equal(got, et.routed_experts_triton(*dense, start, BETA, BETA_LIN, tactic=tactic))
+    _check(et, dense, start, tactic)
+    return got
+
+
+@device_test
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("T", [1, 16])
+def test_mxfp4_matches_the_bf16_kernels_on_dequantized_weights(size, T):
+    et = _et()
+    sh = SMALL_MX if size == "small" else dict(FULL, E=64)
+    _check_mx(et, _mx_case(T, **sh, seed=30 + T), 0, _mx_tactic(et, size))
+
+
+@device_test
+@pytest.mark.parametrize("size", SIZES)
+def test_mxfp4_crowded_expert_and_other_ranks(size):
+    """70 tokens all on local expert 3 (two passes of the crowded loop) with other ranks' ids around it."""
+    et = _et()
+    sh = SMALL_MX if size == "small" else dict(FULL, E=56)
+    E, K, T = sh["E"], sh["K"], 70
+    g = torch.Generator().manual_seed(31)
+    ids = torch.stack([torch.cat([torch.tensor([3]), E + torch.randperm(2 * E, generator=g)[: K - 1]])
+                       for _ in range(T)])
+    _check_mx(et, _mx_case(T, **sh, ids=ids[:, torch.randperm(K, generator=g)], seed=32), 0, _mx_tactic(et, size))
+
+
+@device_test
+def test_mxfp4_check_fails_on_a_kernel_reading_another_experts_scales():
+    """The check can fail: the kernels fed each expert's neighbour's scales miss the reference by far."""
+    from dep_compile.stock.mxfp4 import Mxfp4Weight
+
+    et = _et()
+    x, w13, w2, w, ids = _mx_case(16, **SMALL_MX, seed=33)
+    wrong = Mxfp4Weight(w13.packed, w13.scale.roll(1, 0))
+    got = et.routed_experts_triton(x, wrong, w2, w, ids, 0, BETA, BETA_LIN, tactic=_mx_tactic(et, "small"))
+    ref = routed_experts_partial(x, w13.dequantize(), w2.dequantize(), w, ids, 0, BETA, BETA_LIN)
+    assert float((got - ref).abs().max()) > 2 ** -6 * float(ref.abs().max())
+
+
+@device_test
+def test_stock_dequantizes_the_touched_experts_exactly():
+    """The stock CUDA path's Triton dequantizer: each touched expert bit-equal to the reference; untouched
+    experts' rows are not written."""
+    use_triton()
+    from dep_compile.stock.mxfp4_cuda import dequantize_touched, touched_experts
+
+    x, w13, w2, w, ids = _mx_case(3, **SMALL_MX, seed=34)
+    touched = touched_experts(ids, 0, SMALL_MX["E"])
+    assert int(touched.sum()) == len(set(ids.flatten().tolist()))
+    for wt in (w13, w2):
+        got, ref = dequantize_touched(wt, touched), wt.dequantize()
+        for e in range(SMALL_MX["E"]):
+            if touched[e]:
+                assert torch.equal(got[e].view(torch.int16), ref[e].view(torch.int16)), e
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("ptx", [False, True], ids=["triton_dequant", "ptx_dequant"])
+@pytest.mark.parametrize("E", [56, 64])
+@pytest.mark.parametrize("T", [1, 4, 16, 64])
+def test_mxfp4_full_size(E, T, ptx):
+    """K3 widths, MXFP4: one EP16 rank's 56 experts (ids of all 896) or the slice's 64; both dequantizers."""
+    import dataclasses
+
+    et = _et()
+    start, total = (3 * 56, 896) if E == 56 else (0, 64)
+    tokens = T if E == 64 else 16 * T
+    tactic = dataclasses.replace(et.DEFAULT_TACTIC, ptx_dequant=ptx)
+    _check_mx(et, _mx_case(tokens, **FULL, E=E, E_total=total, seed=T + E + 40), start, tactic)
+
+
+@pytest.mark.cuda
+def test_mxfp4_stock_op_on_cuda_matches_its_reference():
+    """kimi_k3::routed_experts_mxfp4 on CUDA (touched experts dequantized, grouped GEMMs) against the CPU
+    reference on the same weights, within the grouped GEMMs' bound (one more BF16 rounding per expert)."""
+    x, w13, w2, w, ids = _mx_case(16, **FULL, E=64, seed=50)
+    got = torch.ops.kimi_k3.routed_experts_mxfp4(x, *w13, *w2, w, ids, 0, 1, BETA, BETA_LIN).float().cpu()
+    ref = torch.ops.kimi_k3.routed_experts_mxfp4(x.cpu(), *(t.cpu() for t in (*w13, *w2)), w.cpu(), ids.cpu(), 0, 1,
+                                                 BETA, BETA_LIN).float()
+    assert float((got - ref).norm() / ref.norm()) <= 2e-2

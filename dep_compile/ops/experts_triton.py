@@ -57,9 +57,12 @@ class ExpertsTactic:
     num_warps: int = 4
     num_stages: int = 4
     block_m: int | None = None
+    ptx_dequant: bool = False  # MXFP4 on CUDA: dequantize with _DEQUANT_PTX (two values an instruction) instead of
+                               # Triton integer ops (the interpreter always runs the latter)
 
     def __str__(self) -> str:
-        return f"n{self.block_n1}/{self.block_n2}k{self.block_k}w{self.num_warps}s{self.num_stages}m{self.block_m}"
+        return (f"n{self.block_n1}/{self.block_n2}k{self.block_k}w{self.num_warps}s{self.num_stages}m{self.block_m}"
+                + ("ptx" if self.ptx_dequant else ""))
 
 
 DEFAULT_TACTIC = ExpertsTactic()
@@ -84,9 +87,52 @@ def _pipeline(block_n: int, block_m: int, big_m: int, tactic: ExpertsTactic, mxf
     return dict(STAGES=stages, BIG_STAGES=big, num_stages=stages)
 
 
+# Four code bytes (eight E2M1 codes, the low nibble first) and their scales 2^(s - 127) (BF16, two a register)
+# -> the four low-nibble and the four high-nibble values (BF16, two a register). prmt puts byte i's code pair
+# at bits 8-15 of BF16 lane i; a code's sign and three magnitude bits then move to the lane's sign, lowest two
+# exponent bits and first mantissa bit (2^(e - 127) * 1.m, or the subnormal m * 2^-127 for e = 0), times 2^126
+# gives the E2M1 value, times the scale the weight: exact (BF16 FMAs keep subnormals; -0 added keeps -0).
+_DEQUANT_PTX = """
+{
+.reg .b32 z, nz, c126, t0, t1, a, b;
+mov.b32 z, 0;
+mov.b32 nz, 0x80008000;
+mov.b32 c126, 0x7E807E80;
+prmt.b32 t0, $4, z, 0x1404;
+prmt.b32 t1, $4, z, 0x3424;
+and.b32 a, t0, 0x80008000;
+shr.b32 b, t0, 6;
+and.b32 b, b, 0x01C001C0;
+or.b32 a, a, b;
+fma.rn.bf16x2 a, a, c126, nz;
+fma.rn.bf16x2 $2, a, $5, nz;
+and.b32 a, t1, 0x80008000;
+shr.b32 b, t1, 6;
+and.b32 b, b, 0x01C001C0;
+or.b32 a, a, b;
+fma.rn.bf16x2 a, a, c126, nz;
+fma.rn.bf16x2 $3, a, $6, nz;
+shl.b32 t0, t0, 4;
+shl.b32 t1, t1, 4;
+and.b32 a, t0, 0x80008000;
+shr.b32 b, t0, 6;
+and.b32 b, b, 0x01C001C0;
+or.b32 a, a, b;
+fma.rn.bf16x2 a, a, c126, nz;
+fma.rn.bf16x2 $0, a, $5, nz;
+and.b32 a, t1, 0x80008000;
+shr.b32 b, t1, 6;
+and.b32 b, b, 0x01C001C0;
+or.b32 a, a, b;
+fma.rn.bf16x2 a, a, c126, nz;
+fma.rn.bf16x2 $1, a, $6, nz;
+}
+"""
+
+
 @triton.jit
 def _weight_tile(w_ptrs, s_ptrs, k, K: tl.constexpr, MXFP4: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+                 BLOCK_K: tl.constexpr, PTX: tl.constexpr):
     """The BF16 weight tile [BLOCK_N, BLOCK_K] at inputs k .. k + BLOCK_K, zero past K.
 
     BF16: loaded (``w_ptrs`` [BLOCK_N, BLOCK_K] at input 0). MXFP4: dequantized in registers, exactly,
@@ -103,9 +149,14 @@ def _weight_tile(w_ptrs, s_ptrs, k, K: tl.constexpr, MXFP4: tl.constexpr, BLOCK_
             gmask = (k // 32 + tl.arange(0, BLOCK_K // 32)) < K // 32
             p = tl.load(w_ptrs + k // 2, mask=hmask[None, :], other=0, eviction_policy="evict_first")
             s = tl.load(s_ptrs + k // 32, mask=gmask[None, :], other=0, eviction_policy="evict_first")
+        scale = e8m0_bf16(s.to(tl.int32))
+        if PTX:
+            scale = tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)).reshape(BLOCK_N, BLOCK_K // 2)
+            lo, hi = tl.inline_asm_elementwise(_DEQUANT_PTX, "=r,=r,=r,=r,r,r,r", [p, scale],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+            return tl.join(lo, hi).reshape(BLOCK_N, BLOCK_K)
         c = p.to(tl.int32)
         w = tl.join(e2m1_bf16(c & 15), e2m1_bf16(c >> 4)).reshape(BLOCK_N, BLOCK_K)
-        scale = e8m0_bf16(s.to(tl.int32))
         w = w.to(tl.float32).reshape(BLOCK_N, BLOCK_K // 32, 32) * scale.to(tl.float32)[:, :, None]
         return w.reshape(BLOCK_N, BLOCK_K).to(tl.bfloat16)  # exact: a power-of-two scale
     elif K % BLOCK_K == 0:  # unmasked (16-byte vectors)
@@ -157,7 +208,7 @@ def _count_kernel(ids_ptr, counts_ptr, offsets_ptr, order_ptr, row_of_ptr, P, ex
 def _gemm1_pass(x_ptr, wg_base, wu_base, sg_base, su_base, act_ptr, order_ptr, off, c, m0, offs_n, offs_k,
                 stride_x, K_TOP, beta, beta_lin, LAT: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, MXFP4: tl.constexpr,
-                INTERPRET: tl.constexpr):
+                PTX: tl.constexpr, INTERPRET: tl.constexpr):
     """Rows m0 .. m0 + BLOCK_M of one expert: gate/up tile GEMM, BF16 rounding, SiTU, BF16 store."""
     rm = m0 + tl.arange(0, BLOCK_M)
     mmask = rm < c
@@ -171,8 +222,8 @@ def _gemm1_pass(x_ptr, wg_base, wu_base, sg_base, su_base, act_ptr, order_ptr, o
             xt = tl.load(x_ptrs + k, mask=mmask[:, None], other=0.0)
         else:
             xt = tl.load(x_ptrs + k, mask=mmask[:, None] & ((k + offs_k) < LAT)[None, :], other=0.0)
-        wg = _weight_tile(wg_base, sg_base, k, LAT, MXFP4, BLOCK_N, BLOCK_K)
-        wu = _weight_tile(wu_base, su_base, k, LAT, MXFP4, BLOCK_N, BLOCK_K)
+        wg = _weight_tile(wg_base, sg_base, k, LAT, MXFP4, BLOCK_N, BLOCK_K, PTX)
+        wu = _weight_tile(wu_base, su_base, k, LAT, MXFP4, BLOCK_N, BLOCK_K, PTX)
         if INTERPRET:  # the interpreter's bf16 dot is wrong: FP32 (exact products)
             acc_g = tl.dot(wg.to(tl.float32), tl.trans(xt).to(tl.float32), acc_g, input_precision="ieee")
             acc_u = tl.dot(wu.to(tl.float32), tl.trans(xt).to(tl.float32), acc_u, input_precision="ieee")
@@ -196,7 +247,7 @@ def _gemm1_kernel(
     stride_x, stride_we, stride_wn, stride_se, stride_sn, K_TOP, beta, beta_lin,
     LAT: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BIG_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, BIG_STAGES: tl.constexpr,
-    MXFP4: tl.constexpr, INTERPRET: tl.constexpr,
+    MXFP4: tl.constexpr, PTX: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """act[rows of expert e, n-tile] = SiTU(x[tokens] @ w13[e] gate / up tiles^T), BF16."""
     pid_n = tl.program_id(0)
@@ -213,17 +264,18 @@ def _gemm1_kernel(
     if c > BLOCK_M:  # a crowded expert: BIG_M rows a pass
         for m0 in range(0, c, BIG_M):
             _gemm1_pass(x_ptr, wg_base, wu_base, sg_base, su_base, act_ptr, order_ptr, off, c, m0, offs_n, offs_k,
-                        stride_x, K_TOP, beta, beta_lin, LAT, INTER, BIG_M, BLOCK_N, BLOCK_K, BIG_STAGES, MXFP4,
+                        stride_x, K_TOP, beta, beta_lin, LAT, INTER, BIG_M, BLOCK_N, BLOCK_K, BIG_STAGES, MXFP4, PTX,
                         INTERPRET)
     elif c > 0:  # one pass
         _gemm1_pass(x_ptr, wg_base, wu_base, sg_base, su_base, act_ptr, order_ptr, off, c, 0, offs_n, offs_k,
-                    stride_x, K_TOP, beta, beta_lin, LAT, INTER, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MXFP4, INTERPRET)
+                    stride_x, K_TOP, beta, beta_lin, LAT, INTER, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MXFP4, PTX,
+                    INTERPRET)
 
 
 @triton.jit
 def _gemm2_pass(act_ptr, w_base, s_base, tw_ptr, ys_ptr, order_ptr, off, c, m0, offs_n, offs_k, LAT: tl.constexpr,
                 INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                STAGES: tl.constexpr, MXFP4: tl.constexpr, INTERPRET: tl.constexpr):
+                STAGES: tl.constexpr, MXFP4: tl.constexpr, PTX: tl.constexpr, INTERPRET: tl.constexpr):
     """Rows m0 .. m0 + BLOCK_M of one expert: w2 tile GEMM in FP32, times the routing weight, FP32 store."""
     rm = m0 + tl.arange(0, BLOCK_M)
     mmask = rm < c
@@ -235,7 +287,7 @@ def _gemm2_pass(act_ptr, w_base, s_base, tw_ptr, ys_ptr, order_ptr, off, c, m0, 
             at = tl.load(a_ptrs + k, mask=mmask[:, None], other=0.0)
         else:
             at = tl.load(a_ptrs + k, mask=mmask[:, None] & ((k + offs_k) < INTER)[None, :], other=0.0)
-        wt = _weight_tile(w_base, s_base, k, INTER, MXFP4, BLOCK_N, BLOCK_K)
+        wt = _weight_tile(w_base, s_base, k, INTER, MXFP4, BLOCK_N, BLOCK_K, PTX)
         if INTERPRET:
             acc = tl.dot(wt.to(tl.float32), tl.trans(at).to(tl.float32), acc, input_precision="ieee")
         else:
@@ -257,7 +309,7 @@ def _gemm2_kernel(
     stride_we, stride_wn, stride_se, stride_sn,
     LAT: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BIG_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, BIG_STAGES: tl.constexpr,
-    MXFP4: tl.constexpr, INTERPRET: tl.constexpr,
+    MXFP4: tl.constexpr, PTX: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """ys[rows of expert e, n-tile] = routing weight * (act[rows] @ w2[e] tile^T), FP32."""
     pid_n = tl.program_id(0)
@@ -271,10 +323,10 @@ def _gemm2_kernel(
     if c > BLOCK_M:
         for m0 in range(0, c, BIG_M):
             _gemm2_pass(act_ptr, w_base, s_base, tw_ptr, ys_ptr, order_ptr, off, c, m0, offs_n, offs_k, LAT, INTER,
-                        BIG_M, BLOCK_N, BLOCK_K, BIG_STAGES, MXFP4, INTERPRET)
+                        BIG_M, BLOCK_N, BLOCK_K, BIG_STAGES, MXFP4, PTX, INTERPRET)
     elif c > 0:
         _gemm2_pass(act_ptr, w_base, s_base, tw_ptr, ys_ptr, order_ptr, off, c, 0, offs_n, offs_k, LAT, INTER,
-                    BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MXFP4, INTERPRET)
+                    BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MXFP4, PTX, INTERPRET)
 
 
 @triton.jit(do_not_specialize=["expert_start", "E"])
@@ -384,7 +436,7 @@ def routed_experts_triton(
     bm = tactic.block_m or experts_block_m(T)
     big = max(bm, BIG_M)
     common = dict(LAT=lat, INTER=inter, BLOCK_M=bm, BIG_M=big, BLOCK_K=tactic.block_k, MXFP4=mxfp4,
-                  INTERPRET=_INTERPRET, num_warps=tactic.num_warps)
+                  PTX=mxfp4 and tactic.ptx_dequant and not _INTERPRET, INTERPRET=_INTERPRET, num_warps=tactic.num_warps)
     _gemm1_kernel[(triton.cdiv(inter, tactic.block_n1), E)](
         x, w13_t, s13, act, counts, offsets, order, x.stride(0), w13_t.stride(0), w13_t.stride(1), s13.stride(0),
         s13.stride(1), K, float(beta), float(beta_lin), BLOCK_N=tactic.block_n1,

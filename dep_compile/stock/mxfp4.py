@@ -80,19 +80,21 @@ def dequantize(packed: Tensor, scale: Tensor, dtype: torch.dtype = torch.bfloat1
 
 
 def random_mxfp4(shape: tuple[int, ...], generator: torch.Generator, std: float) -> tuple[Tensor, Tensor]:
-    """Random MXFP4 codes and scales for a weight of ``shape [..., N, K]``: (packed uint8, E8M0 uint8).
+    """Random MXFP4 codes and scales for a weight of ``shape [..., N, K]``, on ``generator``'s device:
+    (packed uint8, E8M0 uint8).
 
     Codes are drawn uniformly (their values have an RMS of 2.93); each group's scale is the power of
-    two nearest ``std / 2.93``, times 2^-1, 1 or 2 at random, so the weights' RMS is about ``std``.
+    two nearest ``std / 2.93``, times 2^-1, 1 or 2 at random, so the weights' RMS is within 1.4x of ``std``.
     """
     *lead, n, k = shape
     if k % GROUP:
         raise ValueError(f"MXFP4 weights need K divisible by {GROUP}, got {k}")
-    packed = torch.randint(0, 256, (*lead, n, k // 2), generator=generator, dtype=torch.int32).to(torch.uint8)
+    dev = generator.device
+    packed = torch.randint(0, 256, (*lead, n, k // 2), generator=generator, dtype=torch.int32, device=dev)
     rms = (sum(v * v for v in E2M1) / len(E2M1)) ** 0.5
     center = E8M0_BIAS + round(torch.tensor(std / rms).log2().item())
-    scale = (center + torch.randint(-1, 2, (*lead, n, k // GROUP), generator=generator)).to(torch.uint8)
-    return packed, scale
+    scale = center + torch.randint(-1, 2, (*lead, n, k // GROUP), generator=generator, device=dev)
+    return packed.to(torch.uint8), scale.to(torch.uint8)
 
 
 __all__ = ["GROUP", "E8M0_BIAS", "E2M1", "Mxfp4Weight", "group_size", "check_mxfp4", "unpack_codes", "scale_values", "dequantize",
