@@ -506,7 +506,8 @@ _shared_variant("shared_linear_kwargs", "rewrite",
 _shared_variant("shared_act_factors_commuted", "rewrite", note="every product's factors in the other order",
                 act=lambda self, g, u: (torch.tanh(u / self.beta_lin) * self.beta_lin)
                 * (torch.sigmoid(g) * (torch.tanh(g / self.beta) * self.beta)))
-_shared_variant("shared_act_reassociated", "either", note="the same factors, multiplied in another order",
+_shared_variant("shared_act_reassociated", "either", neutral=True,
+                note="the same factors, multiplied in another order (it may round alike)",
                 act=lambda self, g, u: self.beta * torch.tanh(g / self.beta)
                 * (torch.sigmoid(g) * (self.beta_lin * torch.tanh(u / self.beta_lin))))
 _shared_variant("shared_act_torch_fns", "rewrite",
