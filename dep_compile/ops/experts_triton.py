@@ -154,16 +154,18 @@ def _weight_tile(w_ptrs, s_ptrs, k, K: tl.constexpr, MXFP4: tl.constexpr, BLOCK_
             scale = tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)).reshape(BLOCK_N, BLOCK_K // 2)
             lo, hi = tl.inline_asm_elementwise(_DEQUANT_PTX, "=r,=r,=r,=r,r,r,r", [p, scale],
                                                dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-            return tl.join(lo, hi).reshape(BLOCK_N, BLOCK_K)
-        c = p.to(tl.int32)
-        w = tl.join(e2m1_bf16(c & 15), e2m1_bf16(c >> 4)).reshape(BLOCK_N, BLOCK_K)
-        w = w.to(tl.float32).reshape(BLOCK_N, BLOCK_K // 32, 32) * scale.to(tl.float32)[:, :, None]
-        return w.reshape(BLOCK_N, BLOCK_K).to(tl.bfloat16)  # exact: a power-of-two scale
+            w = tl.join(lo, hi).reshape(BLOCK_N, BLOCK_K)
+        else:
+            c = p.to(tl.int32)
+            w = tl.join(e2m1_bf16(c & 15), e2m1_bf16(c >> 4)).reshape(BLOCK_N, BLOCK_K)
+            w = w.to(tl.float32).reshape(BLOCK_N, BLOCK_K // 32, 32) * scale.to(tl.float32)[:, :, None]
+            w = w.reshape(BLOCK_N, BLOCK_K).to(tl.bfloat16)  # exact: a power-of-two scale
     elif K % BLOCK_K == 0:  # unmasked (16-byte vectors)
-        return tl.load(w_ptrs + k, eviction_policy="evict_first")
+        w = tl.load(w_ptrs + k, eviction_policy="evict_first")
     else:
         kmask = (k + tl.arange(0, BLOCK_K)) < K
-        return tl.load(w_ptrs + k, mask=kmask[None, :], other=0.0, eviction_policy="evict_first")
+        w = tl.load(w_ptrs + k, mask=kmask[None, :], other=0.0, eviction_policy="evict_first")
+    return w  # one return: the compiler types every return statement it visits, static branches or not
 
 
 @triton.jit
@@ -173,9 +175,10 @@ def _weight_ptrs(w_ptr, s_ptr, e, rn, stride_we, stride_wn, stride_se, stride_sn
     if MXFP4:
         w = w_ptr + e.to(tl.int64) * stride_we + rn[:, None] * stride_wn + tl.arange(0, BLOCK_K // 2)[None, :]
         s = s_ptr + e.to(tl.int64) * stride_se + rn[:, None] * stride_sn + tl.arange(0, BLOCK_K // 32)[None, :]
-        return w, s
-    w = w_ptr + e.to(tl.int64) * stride_we + rn[:, None] * stride_wn + tl.arange(0, BLOCK_K)[None, :]
-    return w, w
+    else:
+        w = w_ptr + e.to(tl.int64) * stride_we + rn[:, None] * stride_wn + tl.arange(0, BLOCK_K)[None, :]
+        s = w
+    return w, s
 
 
 @triton.jit(do_not_specialize=["P", "expert_start", "E"])
