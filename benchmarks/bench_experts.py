@@ -54,12 +54,13 @@ SWEEP = [  # run 1 (docs/perf_experts.md) also timed w8 and k256 variants: slowe
 ]
 
 
-MXFP4_TACTICS = [  # the default dequantizes with Triton integer ops into a whole tile
-    ExpertsTactic(ptx_dequant=True),  # PTX: two values an instruction
-    ExpertsTactic(even_odd=True),  # low / high nibble half tiles, no interleave
-    ExpertsTactic(ptx_dequant=True, even_odd=True),
-    ExpertsTactic(block_k=256, num_stages=3, ptx_dequant=True, even_odd=True),  # 128-byte code rows a step
-    ExpertsTactic(block_n1=32, block_n2=32, ptx_dequant=True, even_odd=True),  # twice the programs
+MXFP4_TACTICS = [  # the default dequantizes with Triton integer ops into a whole tile; measured 2026-12-02
+    ExpertsTactic(ptx_dequant=True),  # PTX: two values an instruction (1.1-1.4x the default)
+    ExpertsTactic(block_k=256, num_stages=3, ptx_dequant=True),  # fewer, larger steps
+    ExpertsTactic(block_k=512, num_stages=2, ptx_dequant=True),
+    ExpertsTactic(num_warps=8, ptx_dequant=True),  # more threads to dequantize a tile
+    ExpertsTactic(block_k=256, num_warps=8, num_stages=3, ptx_dequant=True),
+    # even_odd (low / high nibble half tiles, each a dot with the even / odd inputs) ran 0.2-0.6 TB/s: slower
 ]
 
 
