@@ -34,7 +34,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import (HBM_PRACTICAL_BPS, floors_us, format_table, kernel_profile, plot_panels, rel_err,  # noqa: E402
                     rotation_copies, steps_per_replay, tbps, time_graph, write_json)
 
-from dep_compile.ops.experts_triton import DEFAULT_TACTIC, ExpertsTactic, routed_experts_triton  # noqa: E402
+from dep_compile.ops.experts_triton import (DEFAULT_MXFP4_TACTIC, DEFAULT_TACTIC, ExpertsTactic,  # noqa: E402
+                                            routed_experts_triton)
 from dep_compile.stock.grouped_experts import routed_experts_grouped  # noqa: E402
 from dep_compile.stock.mxfp4 import GROUP, Mxfp4Weight, random_mxfp4  # noqa: E402
 from dep_compile.stock.mxfp4_cuda import routed_experts_mxfp4_grouped  # noqa: E402
@@ -54,13 +55,12 @@ SWEEP = [  # run 1 (docs/perf_experts.md) also timed w8 and k256 variants: slowe
 ]
 
 
-MXFP4_TACTICS = [  # the default dequantizes with Triton integer ops into a whole tile; measured 2026-12-02
-    ExpertsTactic(ptx_dequant=True),  # PTX: two values an instruction (1.1-1.4x the default)
-    ExpertsTactic(block_k=256, num_stages=3, ptx_dequant=True),  # fewer, larger steps
-    ExpertsTactic(block_k=512, num_stages=2, ptx_dequant=True),
-    ExpertsTactic(num_warps=8, ptx_dequant=True),  # more threads to dequantize a tile
-    ExpertsTactic(block_k=256, num_warps=8, num_stages=3, ptx_dequant=True),
-    # even_odd (low / high nibble half tiles, each a dot with the even / odd inputs) ran 0.2-0.6 TB/s: slower
+MXFP4_TACTICS = [  # beside the default (DEFAULT_MXFP4_TACTIC: 256-input steps, PTX dequantizer); 2026-12-02
+    ExpertsTactic(),  # Triton integer ops into a whole tile, 128-input steps: 0.67-0.77 TB/s
+    ExpertsTactic(ptx_dequant=True),  # 128-input steps: 0.88-1.11 TB/s
+    ExpertsTactic(block_k=512, num_stages=2, ptx_dequant=True),  # 0.80-1.02 TB/s
+    # 8 warps ran 0.52-0.64 TB/s; the even/odd tiling (low / high nibble half tiles, each a dot with the even /
+    # odd inputs) 0.2-0.6 TB/s
 ]
 
 
@@ -136,7 +136,8 @@ def main() -> None:
     ap.add_argument("--format", choices=["bf16", "mxfp4"], default="bf16", help="the experts' weights")
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
-    tactics = {"dep": DEFAULT_TACTIC}
+    default = DEFAULT_MXFP4_TACTIC if args.format == "mxfp4" else DEFAULT_TACTIC
+    tactics = {"dep": default}
     if args.format == "mxfp4":  # the two dequantizers: Triton integer ops (default) and PTX (two values an op)
         tactics.update({str(t): t for t in MXFP4_TACTICS})
     if args.sweep:
@@ -172,7 +173,7 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     stem = "experts_mxfp4" if mx else "experts"
     write_json(os.path.join(args.out, f"{stem}.json"),
-               {"tactic": str(DEFAULT_TACTIC), "format": args.format, "copies": copies, "rows": results})
+               {"tactic": str(default), "format": args.format, "copies": copies, "rows": results})
     panels = []
     for setting, title in (("slice", "slice: 64 local experts"), ("ep16", "EP16 rank: 56 local of 896")):
         rs = [r for r in results if r["setting"] == setting]
