@@ -121,20 +121,20 @@ def record_routing():
     """Yields a list that receives the topk_ids [T, K] (a copy) of each MoE layer's experts call, in
     call order (one per MoE layer and step), from eager and compiled code alike.
 
-    Two hooks: the stock ``kimi_k3::routed_experts`` op (wrapping ``CustomOpDef._backend_fns``, which
+    Two hooks: the stock ``kimi_k3::routed_experts`` and ``routed_experts_mxfp4`` ops (wrapping ``CustomOpDef._backend_fns``, which
     the dispatcher's kernel for each device looks up per call, so Inductor's code is seen too), and
     the kimi_dep MoE op's ``EpMoeLayer.experts_tail`` (which may run its own experts kernels; a stock
     op call inside it is not counted twice). Run graphs by hand outside it: a replay runs no Python.
     """
     calls: list[torch.Tensor] = []
     inside_tail = []
-    fns = stock_ops.routed_experts._backend_fns
+    ops = {stock_ops.routed_experts: 4, stock_ops.routed_experts_mxfp4: 6}  # op -> the position of topk_ids
 
-    def hook_op(impl):
-        def hooked(x, w13, w2, topk_weights, topk_ids, *rest):
+    def hook_op(impl, ids_at):
+        def hooked(*args):
             if not inside_tail:
-                calls.append(topk_ids.detach().clone())
-            return impl(x, w13, w2, topk_weights, topk_ids, *rest)
+                calls.append(args[ids_at].detach().clone())
+            return impl(*args)
         return hooked
 
     tail = EpMoeLayer.experts_tail
@@ -147,8 +147,11 @@ def record_routing():
         finally:
             inside_tail.pop()
 
-    with mock.patch.dict(fns, {device: hook_op(impl) for device, impl in fns.items()}), \
-            mock.patch.object(EpMoeLayer, "experts_tail", hooked_tail):
+    with contextlib.ExitStack() as stack:
+        for op, ids_at in ops.items():
+            fns = op._backend_fns
+            stack.enter_context(mock.patch.dict(fns, {dev: hook_op(impl, ids_at) for dev, impl in fns.items()}))
+        stack.enter_context(mock.patch.object(EpMoeLayer, "experts_tail", hooked_tail))
         yield calls
 
 
