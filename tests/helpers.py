@@ -192,8 +192,8 @@ def _state_write_dropped(real, arg: int):
 
 
 def mutants():
-    """{name: (class, method, wrapper)}: each a bug a parity yardstick must catch (``dsa output x0.5`` is
-    the one a one-step logits error can see; see tests/test_parity.py)."""
+    """{name: (class, method, wrapper)}: each a bug a parity yardstick must catch (``kda output x0.9`` is
+    for the one-step yardstick, which cannot see 1 %: tests/test_parity.py)."""
     from dep_compile.ops.dsa import PreparedDsa
     from dep_compile.ops.kda import PreparedKda
     from dep_compile.ops.moe import EpMoeLayer
@@ -201,7 +201,7 @@ def mutants():
     return {
         "moe output x1.01": (EpMoeLayer, "forward", _scaled),
         "kda output x1.01": (PreparedKda, "forward", _scaled),
-        "dsa output x0.5": (PreparedDsa, "forward", lambda real: _scaled(real, 0.5)),
+        "kda output x0.9": (PreparedKda, "forward", lambda real: _scaled(real, 0.9)),
         # forward(x, in_proj_w, f_b_w, conv_w, A_log, dt_bias, o_norm_w, o_proj_w, conv_state, rec_state, ...)
         "kda recurrent-state write dropped": (PreparedKda, "forward", lambda real: _state_write_dropped(real, 9)),
         # forward(x, proj_ws, q_a_norm_w, kv_a_norm_w, q_b_w, kv_b_w, wq_b_w, k_norm_w, k_norm_b, o_proj_w, kv_cache, ...)
