@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import dep_compile.ops.attn_res  # noqa: F401  (registers kimi_dep::attn_res_norm)
-from dep_compile.passes.manager import DepPostGradPass
 from dep_compile.debug.parity import decisive_routing
+from dep_compile.passes.manager import DepPostGradPass
 from dep_compile.stock import build_model, preset
 from dep_compile.stock import ops as stock_ops
 from dep_compile.stock.layers import RMSNorm
