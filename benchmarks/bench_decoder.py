@@ -33,14 +33,12 @@ the wall clock, which measures nothing): every path but the GPU timing runs.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
 import statistics
 import sys
 import time
 import traceback
-from unittest import mock
 
 import torch
 
@@ -50,9 +48,8 @@ from common import (floors_us, format_table, plot_panels, raise_recompile_limits
                     time_graph, write_json)
 
 import dep_compile  # noqa: E402
+from dep_compile.debug.parity import record_routing, routing_agreement  # noqa: E402
 from dep_compile.stock import KimiCache, RequestBatch, preset  # noqa: E402
-from dep_compile.ops.moe import EpMoeLayer  # noqa: E402
-from dep_compile.stock import ops as stock_ops  # noqa: E402
 from dep_compile.stock.model import KimiK3ForCausalLM  # noqa: E402
 from dep_compile.stock.moe import EXPERTS  # noqa: E402
 from dep_compile.stock.mxfp4 import random_mxfp4  # noqa: E402
@@ -114,56 +111,6 @@ def build_model(cfg, device, seed: int = 0, local_experts: int | None = None) ->
                 val.normal_(0.0, p.shape[-1] ** -0.5 if p.dim() >= 2 else 1.0, generator=g)
             p.data = val.to(torch.float32 if leaf in keep_fp32 else torch.bfloat16)
     return model.eval().requires_grad_(False)
-
-
-@contextlib.contextmanager
-def record_routing():
-    """Yields a list that receives the topk_ids [T, K] (a copy) of each MoE layer's experts call, in
-    call order (one per MoE layer and step), from eager and compiled code alike.
-
-    Two hooks: the stock ``kimi_k3::routed_experts`` and ``routed_experts_mxfp4`` ops (wrapping ``CustomOpDef._backend_fns``, which
-    the dispatcher's kernel for each device looks up per call, so Inductor's code is seen too), and
-    the kimi_dep MoE op's ``EpMoeLayer.experts_tail`` (which may run its own experts kernels; a stock
-    op call inside it is not counted twice). Run graphs by hand outside it: a replay runs no Python.
-    """
-    calls: list[torch.Tensor] = []
-    inside_tail = []
-    ops = {stock_ops.routed_experts: 4, stock_ops.routed_experts_mxfp4: 6}  # op -> the position of topk_ids
-
-    def hook_op(impl, ids_at):
-        def hooked(*args):
-            if not inside_tail:
-                calls.append(args[ids_at].detach().clone())
-            return impl(*args)
-        return hooked
-
-    tail = EpMoeLayer.experts_tail
-
-    def hooked_tail(self, latent, topk_w, topk_ids, *rest):
-        calls.append(topk_ids.detach().clone())
-        inside_tail.append(True)
-        try:
-            return tail(self, latent, topk_w, topk_ids, *rest)
-        finally:
-            inside_tail.pop()
-
-    with contextlib.ExitStack() as stack:
-        for op, ids_at in ops.items():
-            fns = op._backend_fns
-            stack.enter_context(mock.patch.dict(fns, {dev: hook_op(impl, ids_at) for dev, impl in fns.items()}))
-        stack.enter_context(mock.patch.object(EpMoeLayer, "experts_tail", hooked_tail))
-        yield calls
-
-
-def routing_agreement(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
-    """The fraction of (token, expert) picks in ``got`` that ``ref`` also made, over every MoE call."""
-    assert len(got) == len(ref) and got, f"{len(got)} MoE calls recorded vs {len(ref)} for eager"
-    same = total = 0
-    for a, b in zip(got, ref):
-        hit = (a.unsqueeze(-1) == b.unsqueeze(-2)).any(-1)  # [T, K]: pick a[t, k] is among b[t]
-        same += int(hit.sum())
-        total += hit.numel()
-    return same / total
 
 
 def floor_bytes(model: KimiK3ForCausalLM, rows: int, q: int, context: int, routing: list[torch.Tensor]) -> dict:

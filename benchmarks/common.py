@@ -28,6 +28,8 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
+from dep_compile.debug.parity import rel_err  # noqa: F401  (relative Frobenius error, used by every benchmark)
+
 HBM_PRACTICAL_BPS = 4.33e12
 """Practical read ceiling (bytes/s): a streaming read on the H200 (Triton load-only, torch.sum)."""
 HBM_SPEC_BPS = 4.8e12
@@ -88,13 +90,6 @@ def _stats(values: Sequence[float]) -> dict[str, float]:
         "p80_us": q(0.8),
         "n": n,
     }
-
-
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    """Relative Frobenius error ||got - ref|| / ||ref|| in FP32 (the absolute one when ref is 0)."""
-    diff = (got.float() - ref.float()).norm().item()
-    norm = ref.float().norm().item()
-    return diff / norm if norm else diff
 
 
 def raise_recompile_limits(graphs: int) -> None:

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import dep_compile.ops.attn_res  # noqa: F401  (registers kimi_dep::attn_res_norm)
+from dep_compile.debug.parity import decisive_routing
 from dep_compile.passes.manager import DepPostGradPass
 from dep_compile.stock import build_model, preset
 from dep_compile.stock import ops as stock_ops
@@ -34,7 +35,7 @@ from dep_compile.stock.layers import RMSNorm
 from dep_compile.stock.model import KimiDecoderLayer
 from dep_compile.stock.reference.attn_res import attn_res_ref
 
-from helpers import CUBLAS_ONLY, compare_steps, fallback_log, run_pair
+from helpers import CUBLAS_ONLY, assert_agrees, compare_steps, fallback_log, run_pair
 from triton_device import ON_CPU, TRITON_DEV, device_test, ulps, use_triton
 
 BF16 = torch.bfloat16
@@ -104,14 +105,15 @@ class RecordingPass(DepPostGradPass):
 
 def test_post_grad_fuses_every_pair():
     cfg = preset("k31-small", num_layers=4)
-    model = build_model(cfg, seed=1)
+    model = decisive_routing(build_model(cfg, seed=1))
     pass_ = RecordingPass(CUBLAS_ONLY)
     with inductor_config.patch(post_grad_custom_post_pass=pass_, force_disable_caches=True):
         r = compare_steps(cfg, model, torch.compile(model, fullgraph=True, dynamic=False), steps=4, batch=2)
     _assert_all_fused(r.report, cfg)
     assert pass_.ops["kimi_dep.attn_res_norm"] == 8 and "kimi_k3.attn_res" not in pass_.ops, pass_.ops
-    # Inductor fuses the glue around the ops (the final norm, residual adds): a few BF16 ulps on logits
-    assert r.logits_err < 0.1 and r.cache_err < 0.05, r.cache_errs
+    # Inductor fuses the glue around the ops (the final norm, residual adds): an ulp here and there,
+    # which a near-tied router would amplify, hence decisive routing (tests/helpers.agreement_failures)
+    assert_agrees(r, "post-grad AttnRes", inductor=True)
 
 
 # ---- near misses: each left stock with its reason, the rest fused, the decoder still exact ----------

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import logging
-from typing import Callable
 from unittest import mock
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 from torch._dynamo.utils import counters, get_static_address_type
 
 from dep_compile.backend import cudagraph_blockers, mutated_inputs
+from dep_compile.debug.parity import LOGIT_REL, rel_err, run_steps
 from dep_compile.stock import KimiCache, RequestBatch, build_model, preset
 from dep_compile.stock.cache import FP8_REL, LayerCache, cache_differences
 from helpers import CUBLAS_ONLY, STATE_ATOL
@@ -96,29 +96,6 @@ def _cudagraphs_recorded() -> int:
     return 0 if manager is None else sum(1 + n.num_descendants() for n in manager.get_roots())
 
 
-def run_steps(model, fn, cache, steps: int = 8, verify: int = 3, rows: int = 3, seed: int = 0,
-              before_step: Callable[[int], None] | None = None):
-    """``steps`` decode steps then ``verify`` verify steps (q = 2, the first request accepting one
-    token), alternating two request batches (other block tables, state slots and lengths: new
-    metadata each step); the logits of each step, cloned (cudagraph trees reuse output buffers).
-    ``before_step(i)`` runs before step ``i`` (e.g. to set the caches)."""
-    device = next(iter(cache.layers[0].tensors().values())).device
-    a = RequestBatch(cache, rows, start_len=9, device=device, seed=seed)
-    b = RequestBatch(cache, rows, start_len=17, device=device, seed=seed + 1)
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    with torch.no_grad():
-        for i in range(steps + verify):
-            q = 1 if i < steps else 2
-            meta = (a if i % 2 == 0 else b).step(q, None if q == 1 else [1] + [2] * (rows - 1))
-            ids = torch.randint(0, model.config.vocab_size, (rows * q,), generator=g).to(device)
-            if before_step is not None:
-                before_step(i)
-            out.append(model.step(ids, meta, cache, fn=fn).clone())
-    return out
-
-
-LOGIT_REL = 2e-2  # logits, relative Frobenius over all steps: BF16 rounding + summation order (as bench_*)
 CACHE_ABS = 4 * STATE_ATOL  # caches hold N(0, 0.5) values: a stale-metadata write misses by ~0.7
 
 
@@ -128,10 +105,6 @@ def errors(got, ref, cache, ref_cache) -> tuple[float, float]:
     logits = rel_err(torch.cat(got), torch.cat(ref))
     caches = cache_differences(cache.snapshot(), ref_cache.snapshot(), fp8_scale=STATE_ATOL / FP8_REL)
     return logits, max(caches.values())
-
-
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((got.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 def bounds(yardstick: tuple[float, float]) -> tuple[float, float]:

@@ -17,11 +17,12 @@ import pytest
 import torch
 import torch._inductor.config as inductor_config
 
+from dep_compile.debug.parity import decisive_routing
 from dep_compile.ops.packing import pack_params, packed_view
 from dep_compile.passes.manager import DepPostGradPass
 from dep_compile.stock import build_model, preset
 
-from helpers import CUBLAS_ONLY, LOGIT_ATOL, STATE_ATOL, compare_steps, kinds_rewritten
+from helpers import CUBLAS_ONLY, agreement_failures, assert_agrees, compare_steps, kinds_rewritten, mutant
 
 
 class RecordingPass(DepPostGradPass):
@@ -42,29 +43,27 @@ def run_postgrad(cfg, *, steps=6, batch=3, q=1, options=None, pooled=False, mode
 
     The compiled steps run against the eager decoder (not against stock Inductor: plain Inductor's
     fused router rounds differently from eager and flips top-k experts on these random weights,
-    moving logits by O(1); the rewritten MoE routes as eager does).
+    moving logits by O(1); the rewritten MoE routes as eager does). The model gets decisive routing
+    (``model`` too): Inductor's glue moves an ulp here and there, which a near-tied router would
+    amplify to O(1) over the steps.
     """
-    model = model or build_model(cfg, seed=1)
+    model = decisive_routing(model or build_model(cfg, seed=1))
     pass_ = RecordingPass({**CUBLAS_ONLY, **(options or {})})
     # a fresh compile (no FX-cache hit), so the pass runs and registers its prepared layers
     with inductor_config.patch(post_grad_custom_post_pass=pass_, force_disable_caches=True):
         fn = torch.compile(model, fullgraph=True, dynamic=False)
         res = compare_steps(cfg, model, fn, steps=steps, batch=batch, q=q, pooled=pooled, accepted=accepted)
     res.report.ops_after = dict(pass_.ops)
-    return res.report, res.logits_err, res.cache_errs
-
-
-def _assert_close(err, errs):
-    assert err < LOGIT_ATOL, err
-    assert max(errs.values()) < STATE_ATOL, {k: v for k, v in errs.items() if v >= STATE_ATOL}
+    return res.report, res
 
 
 def test_every_family_rewritten_post_grad_and_matches_stock():
     cfg = preset("k31-small", num_layers=4)  # KDA 0-2, DSA 3, MoE 1-3, dense layer 0
-    report, err, errs = run_postgrad(cfg, steps=6, batch=3)
+    report, res = run_postgrad(cfg, steps=6, batch=3)
     assert report.graph.startswith("postgrad_")
     assert kinds_rewritten(report) == {"kda": [True] * 3, "dsa": [True], "moe": [True] * 3}, report.table()
-    _assert_close(err, errs)
+    assert_agrees(res, "post-grad k31-small", inductor=True)
+    errs = res.cache_errs
     assert errs and all(v == 0.0 for k, v in errs.items() if "layer.0." in k), errs  # first layer: same inputs, exact
     # the stock calls are gone from the graph (none left behind to run on cloned caches)
     assert report.ops_after == {"kimi_dep.attn_res_norm": 8, "kimi_dep.kda_attention": 3, "kimi_dep.dsa_attention": 1,
@@ -73,14 +72,14 @@ def test_every_family_rewritten_post_grad_and_matches_stock():
 
 def test_pooled_cache_views_verify_steps_mla_stock():
     cfg = preset("mixed-small")  # 6 KDA, 1 DSA, 1 MLA, 7 MoE
-    report, err, errs = run_postgrad(cfg, steps=6, batch=3, q=2, pooled=True,
+    report, res = run_postgrad(cfg, steps=6, batch=3, q=2, pooled=True,
                                      accepted=lambda i, b: [1 + (i + r) % 2 for r in range(b)])
     kinds = kinds_rewritten(report)
     assert kinds["kda"] == [True] * 6 and kinds["dsa"] == [True] and kinds["moe"] == [True] * 7, report.table()
     assert kinds["mla"] == [False] and report.stock("mla")[0].reason.startswith("policy:")
     assert report.ops_after == {"kimi_dep.attn_res_norm": 16, "kimi_k3.mla_decode": 1, "kimi_dep.kda_attention": 6,
                                 "kimi_dep.dsa_attention": 1, "kimi_dep.moe": 7}, report.ops_after
-    _assert_close(err, errs)
+    assert_agrees(res, "post-grad mixed-small pooled q=2", inductor=True)
 
 
 class _Records(logging.Handler):
@@ -108,17 +107,28 @@ def test_packed_weights_are_read_in_place():
     records, log = _Records(), logging.getLogger("dep_compile")
     log.addHandler(records)
     try:
-        report, err, errs = run_postgrad(cfg, steps=3, batch=2, model=model)
+        report, res = run_postgrad(cfg, steps=3, batch=2, model=model)
     finally:
         log.removeHandler(records)
     assert report.num_rewritten == 7
     assert not [m for m in records.messages if "not packed" in m], records.messages
-    _assert_close(err, errs)
+    assert_agrees(res, "post-grad packed weights", inductor=True)
+
+
+def test_dropped_state_write_fails_the_bound_post_grad():
+    """The Inductor yardstick can fail: the first KDA layer's op loses its recurrent-state write (validation
+    off, so the probe does not leave it stock first). Measured (ATEN_CPU_CAPABILITY=default, 2026-12-02): logits
+    0.65 relative, a conv state 4.9 off (bounds 5e-2 and 0.5); the correct run 0.006-0.013 and 0.07-0.13."""
+    cfg = preset("k31-small", num_layers=4)
+    with mutant("kda recurrent-state write dropped"):
+        report, res = run_postgrad(cfg, steps=3, batch=2, options={"validate": False})
+    assert kinds_rewritten(report)["kda"] == [True] * 3
+    assert agreement_failures(res, "post-grad, KDA state write dropped", inductor=True)
 
 
 def test_near_miss_reasons_post_grad():
     cfg = preset("k31-small", num_layers=4)
-    report, err, errs = run_postgrad(cfg, steps=2, batch=2, options={"moe_top_k": 8, "kinds": ("dsa", "moe")})
+    report, _ = run_postgrad(cfg, steps=2, batch=2, options={"moe_top_k": 8, "kinds": ("dsa", "moe")})
     assert all("top-k is 16, expected 8" in m.reason for m in report.stock("moe")), report.table()
     assert len(report.stock("moe")) == 3 and report.near_misses()
     assert all(m.reason.startswith("policy:") for m in report.stock("kda"))
@@ -141,8 +151,8 @@ def test_auto_functionalized_v1_is_a_near_miss_not_a_misrewrite():
     """vLLM turns auto-functionalization v2 off by default; v1-wrapped attention stays stock, with the reason."""
     cfg = preset("k31-small", num_layers=4)
     with inductor_config.patch(enable_auto_functionalized_v2=False):
-        report, err, errs = run_postgrad(cfg, steps=2, batch=2)
+        report, res = run_postgrad(cfg, steps=2, batch=2)
     for kind in ("kda", "dsa"):
         assert report.stock(kind) and all("auto_functionalized v1" in m.reason for m in report.stock(kind)), report.table()
     assert len(report.rewritten("moe")) == 3  # the MoE has no mutating op: rewritten either way
-    _assert_close(err, errs)
+    assert_agrees(res, "post-grad auto_functionalized v1", inductor=True)

@@ -1,4 +1,14 @@
-"""Parity: the rewritten graph matches stock eager on logits and on every cache after 8+ steps."""
+"""Parity: the rewritten graph matches stock eager on logits and on every cache after 8+ steps.
+
+Two yardsticks (docs/design.md §7.4). Where the contract is exact (pattern-only, cuBLAS tactics: the
+rewritten ops run stock's references in stock's order) the difference must be 0. Where it is not
+(split-K tables on a CPU run the split-K contract, which sums the projections in another order;
+Inductor fuses the glue), an ulp moved here and there is correct, but on a random model a near-tied
+router turns it into O(1) over a few steps (0.11 in logits on an AVX2 machine, 0.30-1.18 under
+ATEN_CPU_CAPABILITY=default, before this yardstick): those tests run on the decisive-routing model
+(router biases 1 apart, so no rounding flips a pick) and bound the multi-step agreement with eager
+(helpers.agreement_failures). The mutants at the end show that bound failing on real bugs.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +17,7 @@ import pytest
 from dep_compile.stock import preset
 from dep_compile.tactics import DEP_OPROJ, DEP_PROJECTION, SplitK
 
-from helpers import LOGIT_ATOL, STATE_ATOL, run_pair
+from helpers import agreement_failures, assert_agrees, mutant, mutants, run_pair
 
 # Split-K at small batches, cuBLAS above 2 rows: one run crosses a table boundary.
 SPLITK_TABLES = {
@@ -18,14 +28,12 @@ SPLITK_TABLES = {
     },
     "oproj_table": {2: SplitK(3)},
 }
+MEASURED_TABLES = {"projection_tables": DEP_PROJECTION, "oproj_table": DEP_OPROJ}
 
 
-def _assert_close(r, exact=False):
+def _assert_exact(r):
     assert r.report.num_rewritten > 0
-    if exact:
-        assert r.logits_err == 0.0 and r.cache_err == 0.0, r.cache_errs
-    assert r.logits_err < LOGIT_ATOL, r.logits_err
-    assert r.cache_err < STATE_ATOL, {k: v for k, v in r.cache_errs.items() if v >= STATE_ATOL}
+    assert r.logits_err == 0.0 and r.cache_err == 0.0, (r.logits_err, r.cache_errs)
 
 
 @pytest.mark.parametrize("q", [1, 2, 4])
@@ -34,49 +42,66 @@ def test_decode_and_verify_exact_with_cublas_tactics(q):
     accepted = None if q == 1 else (lambda i, b: [1 + (i + r) % q for r in range(b)])
     r = run_pair(cfg, steps=8, batch=3, q=q, accepted=accepted)
     assert len(r.report.rewritten()) == 1 + 6 + 7  # layer 3 DSA, layer 7 MLA (stock)
-    _assert_close(r, exact=True)
+    _assert_exact(r)
 
 
 @pytest.mark.parametrize("q", [1, 2])
 def test_batches_inside_and_outside_the_split_k_tables(q):
     cfg = preset("k31-small")
-    r = run_pair(cfg, q=q, options=SPLITK_TABLES, batches=[1, 2, 3, 5, 1, 2, 5, 3])
-    _assert_close(r)
+    r = run_pair(cfg, q=q, options=SPLITK_TABLES, batches=[1, 2, 3, 5, 1, 2, 5, 3], decisive=True)
+    assert_agrees(r, f"split-K tables q={q}")
     tactics = r.report.rewritten("kda")[0].tactics["kda_in_proj"]
     assert tactics[1].startswith("splitk2") and tactics[4].startswith("splitk8") and tactics[8] == "cublas"
 
 
 def test_default_measured_tables():
     cfg = preset("k31-small", num_layers=4)
-    r = run_pair(cfg, steps=8, batch=3, q=2, options={"projection_tables": DEP_PROJECTION, "oproj_table": DEP_OPROJ})
-    _assert_close(r)
+    r = run_pair(cfg, steps=8, batch=3, q=2, options=MEASURED_TABLES, decisive=True)
+    assert_agrees(r, "measured tables")
 
 
 def test_pooled_cache_views():
     cfg = preset("mixed-small")
     r = run_pair(cfg, steps=8, batch=3, q=2, pooled=True, accepted=lambda i, b: [2, 1, 2][:b])
-    _assert_close(r, exact=True)
+    _assert_exact(r)
 
 
 def test_dynamic_batch_one_graph():
     cfg = preset("k31-small", num_layers=4)
-    r = run_pair(cfg, dynamic=True, batches=[2, 3, 5, 2, 4, 3, 2, 5], options=SPLITK_TABLES)
-    _assert_close(r)
+    r = run_pair(cfg, dynamic=True, batches=[2, 3, 5, 2, 4, 3, 2, 5], options=SPLITK_TABLES, decisive=True)
+    assert_agrees(r, "dynamic batch, split-K tables")
 
 
 def test_padding_requests_leave_states_untouched():
     cfg = preset("k31-small", num_layers=4)
     r = run_pair(cfg, batch=4, padding=1)
-    _assert_close(r, exact=True)
+    _assert_exact(r)
 
 
 def test_through_inductor():
     cfg = preset("k31-small", num_layers=4)
-    r = run_pair(cfg, steps=8, batch=2, q=2, options={"inductor": True, **SPLITK_TABLES})
-    _assert_close(r)
+    r = run_pair(cfg, steps=8, batch=2, q=2, options={"inductor": True, **SPLITK_TABLES}, decisive=True)
+    assert_agrees(r, "Inductor + split-K tables", inductor=True)
 
 
 def test_moe_above_front_max_runs_stock_path():
     cfg = preset("k31-small", num_layers=4)
     r = run_pair(cfg, steps=8, batch=3, q=2, options={"front_max": 4})  # 6 rows > 4
-    _assert_close(r, exact=True)
+    _assert_exact(r)
+
+
+@pytest.mark.parametrize("name", sorted(set(mutants()) - {"kda output x0.9"}))
+def test_mutant_fails_the_agreement_bound(name):
+    """Each mutant of a kimi_dep op, run as test_default_measured_tables runs (validation off, so the
+    probe does not leave the layer stock first), breaks the split-K agreement bound, and all but the 1 %
+    MoE scale break the looser Inductor bound too. Measured (logits rel / caches; the correct run at most
+    1.8e-3 / 0.026): MoE output x1.01 0.016 / 0.19, KDA output x1.01 0.12 / 1.5, a dropped KDA state write
+    1.0 / 6.6, a dropped DSA latent write 0.077 / 4.4. A 1 % MoE scale hides in Inductor's own rounding
+    (0.017 rel), and translation validation's probe passes it too: only the split-K bound sees it."""
+    cfg = preset("k31-small", num_layers=4)
+    with mutant(name):
+        r = run_pair(cfg, steps=8, batch=3, q=2, options={**MEASURED_TABLES, "validate": False}, decisive=True)
+    assert r.report.num_rewritten == 7
+    assert agreement_failures(r, name), f"{name} passed the split-K bound"
+    if name != "moe output x1.01":
+        assert agreement_failures(r, name, inductor=True), f"{name} passed the Inductor bound"

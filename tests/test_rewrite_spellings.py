@@ -8,7 +8,7 @@ from torch import nn
 
 from dep_compile.stock import KimiCache, RequestBatch, build_model, preset
 
-from helpers import CUBLAS_ONLY, run_pair
+from helpers import CUBLAS_ONLY, assert_agrees, run_pair
 
 
 class MatmulT(nn.Module):
@@ -49,9 +49,11 @@ def respell(model, cls):
 def test_linear_spellings_match(cls):
     cfg = preset("mixed-small", num_layers=4)
     model = respell(build_model(cfg, seed=1), cls)
-    r = run_pair(cfg, steps=4, batch=2, q=2, model=model)
+    # the respelled stock GEMMs (matmul of a transpose, mm, permute) need not round as the rewrite's
+    # F.linear does: decisive routing and multi-step agreement (tests/helpers.agreement_failures)
+    r = run_pair(cfg, steps=4, batch=2, q=2, model=model, decisive=True)
     assert len(r.report.rewritten()) == 3 + 1 + 3, r.report.table()
-    assert r.logits_err < 0.1 and r.cache_err < 0.05
+    assert_agrees(r, f"linear spelled {cls.__name__}")
 
 
 def test_merged_indexer_projection_matches():

@@ -41,6 +41,31 @@ def _assert_caches_close(a: dict, b: dict, what: str):
             torch.testing.assert_close(x, y, atol=0.1, rtol=2e-2, msg=lambda m, k=k: f"{what}: {k}: {m}")
 
 
+WRITTEN_REL, WRITTEN_ABS = 5e-2, 0.5
+
+
+def _written_disagreement(a: dict, b: dict, init: dict) -> list[str]:
+    """Caches that do not agree within rounding, for two runs of one computation whose FP32 GEMMs round
+    differently (prefill over B*L rows vs decode over B): each BF16 / FP32 cache's difference relative to
+    what the steps wrote into it (b - init; Frobenius) at most WRITTEN_REL, and no element off by more
+    than WRITTEN_ABS; FP8 index keys within one e4m3 ulp. Not an elementwise atol: the ulps compound through
+    the KDA states over the layers, and under ATEN_CPU_CAPABILITY=default a few conv-state elements of 3.9
+    move by 0.19 (written part 0.014 relative; unset: 0.016 and 0.002); a missed write misses by O(1)."""
+    bad = []
+    for k in a:
+        x, y = a[k].float(), b[k].float()
+        if a[k].dtype == FP8:
+            if not bool(((x - y).abs() <= 2 ** -3 * torch.maximum(x.abs(), y.abs()) + 2 ** -9).all()):
+                bad.append(f"{k}: more than one e4m3 ulp")
+            continue
+        wrote = (y - init[k].float()).norm().item()
+        rel = (x - y).norm().item() / wrote if wrote else (x - y).norm().item()
+        worst = (x - y).abs().max().item()
+        if rel > WRITTEN_REL or worst > WRITTEN_ABS:
+            bad.append(f"{k}: {rel:.3g} of what was written, max {worst:.3g}")
+    return bad
+
+
 def _ids(cfg, n, g):
     return torch.randint(0, cfg.vocab_size, (n,), generator=g)
 
@@ -148,6 +173,7 @@ def test_prefill_equals_decode_steps():
     last = model.prefill(prompts, pre_batch, cache)
     with torch.no_grad():
         for i in range(L):
+            before_last = step_cache.snapshot()
             logits = model.step(prompts[:, i].contiguous(), step_batch.step(1), step_cache)
     assert torch.equal(pre_batch.lens, step_batch.lens)
     assert last.shape == (B, cfg.vocab_size)
@@ -156,10 +182,15 @@ def test_prefill_equals_decode_steps():
     # which BF16 rounding can expose: logits to 0.1 abs + 2e-2 rel (a few BF16 ulps at |x| <= 4).
     torch.testing.assert_close(last, logits, atol=0.1, rtol=2e-2)
     after = cache.snapshot()
-    _assert_caches_close(after, step_cache.snapshot(), "prefill vs decode steps")
-    # The prefill really wrote the prompt: every cache moved from its initial values.
     init = KimiCache.allocate(cfg, num_slots=5, num_blocks=20, block_size=4, seed=6).snapshot()
+    bad = _written_disagreement(after, step_cache.snapshot(), init)
+    assert not bad, f"prefill vs decode steps: {bad}"
+    # The prefill really wrote the prompt: every cache moved from its initial values.
     assert all(not same_bits(after[k], init[k]) for k in after)
+    # The bound can fail: the caches before the last decode step lack one token's writes.
+    missed = _written_disagreement(after, before_last, init)
+    print("prefill vs decode, the last token's writes missing:", missed)
+    assert len(missed) == len(after), missed  # every cache tensor
 
 
 def test_pooled_caches_equal_plain():

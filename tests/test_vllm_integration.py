@@ -21,10 +21,11 @@ from vllm.config import CompilationConfig  # noqa: E402
 
 import dep_compile  # noqa: E402
 import dep_compile_vllm  # noqa: E402
+from dep_compile.debug.parity import decisive_routing  # noqa: E402
 from dep_compile.integrations.vllm import KimiDepInductorPass, compilation_config, pack_model_weights  # noqa: E402
 from dep_compile.stock import build_model, preset  # noqa: E402
 
-from helpers import CUBLAS_ONLY, LOGIT_ATOL, STATE_ATOL, compare_steps, kinds_rewritten  # noqa: E402
+from helpers import CUBLAS_ONLY, assert_agrees, compare_steps, kinds_rewritten  # noqa: E402
 
 KEY = "post_grad_custom_post_pass"
 
@@ -97,7 +98,7 @@ def test_post_grad_pass_manager_runs_it_on_the_stock_decoder():
     cc = CompilationConfig(**compilation_config(CUBLAS_ONLY))
     vc, pm = _post_grad_manager(cc)
     cfg = preset("k31-small", num_layers=4)
-    model = build_model(cfg, seed=1)
+    model = decisive_routing(build_model(cfg, seed=1))  # Inductor's glue rounds: no near-tied router (helpers)
     assert pack_model_weights(model) == ["model.layers.1.mlp", "model.layers.2.mlp", "model.layers.3.self_attn",
                                          "model.layers.3.mlp"]
     # Inductor config as vLLM's backend sets it (our fragment turns auto-functionalization v2 back on)
@@ -111,4 +112,4 @@ def test_post_grad_pass_manager_runs_it_on_the_stock_decoder():
     assert report.graph.startswith("postgrad_")
     # exactly these rows, every one rewritten: KDA 0-2, DSA 3, MoE 1-3 (no stock row, no other kind)
     assert kinds_rewritten(report) == {"kda": [True] * 3, "dsa": [True], "moe": [True] * 3}, report.table()
-    assert res.logits_err < LOGIT_ATOL and res.cache_err < STATE_ATOL, (res.logits_err, res.cache_errs)
+    assert_agrees(res, "vLLM post-grad pass manager", inductor=True)
