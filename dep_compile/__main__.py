@@ -78,7 +78,8 @@ def memory(args) -> int:
     from dep_compile.stock.config import PRESETS
 
     if args.preset not in PRESETS:
-        print(f"dep-compile memory: error: unknown --preset {args.preset!r}; valid: {', '.join(PRESETS)}", file=sys.stderr)
+        print(f"dep-compile memory: error: unknown --preset {args.preset!r}; valid: {', '.join(PRESETS)}",
+              file=sys.stderr)
         return 2
     hbm = mem.H200_BYTES if args.hbm_gb is None else int(args.hbm_gb * mem.GB)
     reserve = mem.RESERVE_BYTES if args.reserve_gb is None else int(args.reserve_gb * mem.GB)

@@ -93,7 +93,8 @@ def rank_memory(cfg: K3Config, dep: int, context: int, dense: str = "bf16") -> R
     if dep < 1 or cfg.n_routed_experts % dep:
         raise ValueError(f"DEP {dep} does not divide the {cfg.n_routed_experts} routed experts")
     non_expert, experts = weight_bytes(cfg, dense)
-    return RankMemory(dep, cfg.experts_format, dense, non_expert, experts // dep, sum(cache_bytes(cfg, context).values()))
+    per_request = sum(cache_bytes(cfg, context).values())
+    return RankMemory(dep, cfg.experts_format, dense, non_expert, experts // dep, per_request)
 
 
 def table(rows: list[RankMemory], usable: int) -> str:

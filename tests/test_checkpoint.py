@@ -86,18 +86,20 @@ def test_mxfp4_checkpoint_is_k3s_format(mxfp4_dir, bf16_model):
     cfg = bf16_model.config
     I, L, E = cfg.moe_intermediate, cfg.moe_latent_size, cfg.n_routed_experts
     experts = {k: t for k, t in tensors.items() if ".experts." in k}
-    assert len(experts) == (cfg.num_layers - cfg.first_k_dense) * E * 6 and not any(k.endswith(".weight") for k in experts)
+    assert len(experts) == (cfg.num_layers - cfg.first_k_dense) * E * 6
+    assert not any(k.endswith(".weight") for k in experts)
     for k, t in experts.items():
         n, k_in = (L, I) if ".w2." in k else (I, L)
         assert t.dtype == torch.uint8 and t.shape == (n, k_in // 2 if k.endswith("packed") else k_in // 32), k
     bf16 = bf16_model.state_dict()
     for layer in (1, cfg.num_layers - 1):
-        w13, w2 = bf16[f"model.layers.{layer}.mlp.experts.w13_weight"], bf16[f"model.layers.{layer}.mlp.experts.w2_weight"]
+        p = f"model.layers.{layer}.mlp.experts"
+        w13, w2 = bf16[f"{p}.w13_weight"], bf16[f"{p}.w2_weight"]
         for e in (0, E // 2 + 3, E - 1):
             for part, w in (("w1", w13[e, :I]), ("w3", w13[e, I:]), ("w2", w2[e])):
-                name = f"model.layers.{layer}.mlp.experts.{e}.{part}"
                 packed, scale = _ct_compress(w)
-                assert torch.equal(tensors[f"{name}.weight_packed"], packed) and torch.equal(tensors[f"{name}.weight_scale"], scale)
+                assert torch.equal(tensors[f"{p}.{e}.{part}.weight_packed"], packed)
+                assert torch.equal(tensors[f"{p}.{e}.{part}.weight_scale"], scale)
     dense = checkpoint_tensors({k: v for k, v in bf16.items() if ".experts." not in k}, cfg)
     assert tensors.keys() - experts.keys() == dense.keys() and all(torch.equal(tensors[k], v) for k, v in dense.items())
 
@@ -153,11 +155,13 @@ def _float_scales(t):
 
 def _bf16_experts(t):
     for k in [k for k in t if k.startswith(f"{LAYER}.") and k.endswith("weight_packed")]:
-        t[k.replace("weight_packed", "weight")] = Mxfp4Weight(t.pop(k), t.pop(k.replace("packed", "scale"))).dequantize()
+        w = Mxfp4Weight(t.pop(k), t.pop(k.replace("packed", "scale")))
+        t[k.replace("weight_packed", "weight")] = w.dequantize()
 
 
 LIES = {
-    "shape": (dict(tensors=lambda t: t.update({f"{LAYER}.0.w1.weight_scale": t[f"{LAYER}.0.w1.weight_scale"][:, :3].contiguous()})),
+    "shape": (dict(tensors=lambda t: t.update({f"{LAYER}.0.w1.weight_scale": t[f"{LAYER}.0.w1.weight_scale"][:, :3]
+                                                .contiguous()})),
               rf"{LAYER}.0.w1.weight_scale: shape \(64, 3\), expected \(64, 4\)"),
     "missing scale": (dict(tensors=lambda t: t.pop(f"{LAYER}.5.w3.weight_scale")),
                       rf"lacks 1 tensors: {LAYER}.5.w3.weight_scale$"),
@@ -231,9 +235,12 @@ def test_without_compressed_tensors_mxfp4_asks_for_the_extra(tmp_path):
     """Writing MXFP4 without compressed-tensors' undeclared dependency psutil (a fresh process where it cannot be
     imported) fails before writing anything, naming the extra that installs both; BF16 needs neither."""
     script = ("import sys; sys.modules['psutil'] = None; from dep_compile.__main__ import main; "
-              f"sys.exit(main(['make-checkpoint', '--experts', sys.argv[1], sys.argv[2]]))")
-    run = lambda fmt: subprocess.run([sys.executable, "-c", script, fmt, str(tmp_path / fmt)], capture_output=True,  # noqa: E731
-                                     text=True, timeout=300)
+              "sys.exit(main(['make-checkpoint', '--experts', sys.argv[1], sys.argv[2]]))")
+
+    def run(fmt):
+        return subprocess.run([sys.executable, "-c", script, fmt, str(tmp_path / fmt)], capture_output=True, text=True,
+                              timeout=300)
+
     proc = run("mxfp4")
     assert proc.returncode == 2 and not (tmp_path / "mxfp4").exists(), proc.stderr[-2000:]
     assert "(psutil is missing): pip install 'dep-compile[mxfp4]'" in proc.stderr

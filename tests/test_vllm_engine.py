@@ -57,8 +57,9 @@ ENV = dict(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1", VLLM_CP
 KINDS = {"k31-small": {"dsa": 2, "kda": 6, "moe": 7, "mla": 0}, "k3-small": {"dsa": 0, "kda": 6, "moe": 7, "mla": 2},
          "mixed-small": {"dsa": 1, "kda": 6, "moe": 7, "mla": 1}}
 # checkpoint -> (preset, routed experts' format, weight seed): each preset in BF16, and K3.1 with MXFP4 experts
-# as K3 ships them. Seed 1 there: with seed 0, prompt 2's best two first tokens lie 0.002 apart in logits, and the
-# eager engine takes the other one (the first-token check wants stock's argmax); seed 1's are >= 0.17 apart.
+# as K3 ships them. Seed 1 there: with seed 0, the third prompt's best two first tokens lie 0.002 apart in
+# logits, and the eager engine takes the other one (the first-token check wants stock's argmax); seed 1's are
+# >= 0.17 apart.
 CASES = {**{name: (name, "bf16", 0) for name in KINDS}, "k31-small-mxfp4": ("k31-small", "mxfp4", 1)}
 
 
