@@ -74,6 +74,7 @@ def _check_args(args) -> str | None:
 
 
 def memory(args) -> int:
+    """The ``memory`` command: print the bytes per GPU for ``args`` (2 on a bad argument)."""
     from dep_compile import memory as mem
     from dep_compile.stock.config import PRESETS
 
