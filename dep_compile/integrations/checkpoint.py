@@ -11,16 +11,22 @@ Format (read off vLLM 0.32's K3 config class and K3 weight loader; K3.1's is not
   and ``q/k/v_conv1d``; MLA ``q_a_proj``, ``kv_a_proj_with_mqa``, ``g_proj``; ``gate_proj`` /
   ``up_proj``; routed experts one by one as ``experts.<e>.w1`` (gate), ``w3`` (up), ``w2`` (down).
   Every other name is the stock decoder's (its AttnRes parameters are the stock decoder's own inference).
+- MXFP4 routed experts as K3 ships them: ``experts.<e>.w1.weight_packed`` (uint8 [N, K/2]) and
+  ``.weight_scale`` (uint8 [N, K/32]) instead of ``.weight``, declared by ``text_config.quantization_config``
+  (``quantization.K3_QUANTIZATION_CONFIG``; docs/mxfp4.md).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import re
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
+from dep_compile.integrations.quantization import K3_QUANTIZATION_CONFIG, compress_mxfp4, experts_format
 from dep_compile.stock.config import K3Config, preset
 
 ARCHITECTURE = "DepKimiK3ForCausalLM"  # the dep_compile model's name in vLLM's registry
@@ -59,12 +65,18 @@ def hf_config(cfg: K3Config) -> dict:
     text["linear_attn_config"].update(
         use_full_rank_gate=True, kda_layers=list(cfg.kda_layers),
         full_attn_layers=[l + 1 for l in range(cfg.num_layers) if l + 1 not in cfg.kda_layers])
+    if cfg.experts_format == "mxfp4":
+        text["quantization_config"] = copy.deepcopy(K3_QUANTIZATION_CONFIG)
     return {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE, "torch_dtype": "bfloat16",
             "text_config": text, "dep_compile_preset": cfg.name}
 
 
-def config_from_hf(text: dict, name: str = "checkpoint") -> K3Config:
-    """The K3Config a checkpoint's ``text_config`` (a dict) describes."""
+def config_from_hf(text: dict, name: str = "checkpoint", quantization_config: dict | None = None) -> K3Config:
+    """The K3Config a checkpoint's ``text_config`` (a dict) describes, its experts' format read off the
+    ``quantization_config`` in ``text_config`` (as K3 ships it) or the top-level one passed here."""
+    qc = text.get("quantization_config")
+    if qc is not None and quantization_config is not None and qc != quantization_config:
+        raise ValueError("text_config.quantization_config and the top-level quantization_config differ")
     missing = [k for k in (*_TEXT, "num_shared_experts", "linear_attn_config", "dsa_layers") if k not in text]
     if missing:
         raise ValueError(f"text_config lacks K3 keys: {', '.join(missing)}")
@@ -72,7 +84,8 @@ def config_from_hf(text: dict, name: str = "checkpoint") -> K3Config:
     fields = {f: text[k] for k, f in _TEXT.items()}
     fields.update({f: la[k] for k, f in _KDA.items()})
     return K3Config(name=name, kda_layers=tuple(la["kda_layers"]), dsa_layers=tuple(l - 1 for l in text["dsa_layers"]),
-                    shared_intermediate=text["num_shared_experts"] * text["moe_intermediate_size"], **fields)
+                    shared_intermediate=text["num_shared_experts"] * text["moe_intermediate_size"],
+                    experts_format=experts_format(qc if qc is not None else quantization_config), **fields)
 
 
 def _shards(cfg: K3Config) -> dict[str, list[tuple[str, int | None]]]:
@@ -102,25 +115,26 @@ def checkpoint_tensors(state_dict: dict[str, torch.Tensor], cfg: K3Config) -> di
                 start += rows
         elif module == "experts":
             I = cfg.moe_intermediate
+            stack, _, suffix = leaf.partition("_")  # w13_weight_packed -> w13, weight_packed
             for e in range(t.shape[0]):
-                if leaf == "w13_weight":  # [2I, Lat]: gate rows, then up rows
-                    out[f"{parent}.experts.{e}.w1.weight"] = t[e, :I].contiguous()
-                    out[f"{parent}.experts.{e}.w3.weight"] = t[e, I:].contiguous()
-                else:  # w2_weight [Lat, I]
-                    out[f"{parent}.experts.{e}.w2.weight"] = t[e].contiguous()
+                if stack == "w13":  # [2I, ...]: gate rows, then up rows
+                    out[f"{parent}.experts.{e}.w1.{suffix}"] = t[e, :I].contiguous()
+                    out[f"{parent}.experts.{e}.w3.{suffix}"] = t[e, I:].contiguous()
+                else:  # w2 [Lat, ...]
+                    out[f"{parent}.experts.{e}.w2.{suffix}"] = t[e].contiguous()
         else:
             out[name] = t.contiguous()
     return out
 
 
-_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w2|w3)\.(weight|weight_packed|weight_scale)$")
 
 
 def load_target(name: str, cfg: K3Config, params: dict[str, torch.Tensor]) -> tuple[str, torch.Tensor] | None:
     """Where checkpoint tensor ``name`` goes: (parameter name, the view of it to copy into), or None."""
     m = _EXPERT.match(name)
     if m is not None:
-        pname = f"{m.group(1)}.{'w2_weight' if m.group(3) == 'w2' else 'w13_weight'}"
+        pname = f"{m.group(1)}.{'w2' if m.group(3) == 'w2' else 'w13'}_{m.group(4)}"
         if pname not in params:
             return None
         e, I = int(m.group(2)), cfg.moe_intermediate
@@ -143,6 +157,52 @@ def load_target(name: str, cfg: K3Config, params: dict[str, torch.Tensor]) -> tu
     return None
 
 
+def _unknown(name: str, cfg: K3Config) -> str:
+    """Why checkpoint tensor ``name`` matches no parameter, with the experts' declared format where it is one."""
+    m = _EXPERT.match(name)
+    if m is None:
+        return f"checkpoint tensor {name} matches no parameter"
+    declared = ("MXFP4 experts (weight_packed / weight_scale): the quantization_config says so"
+                if cfg.experts_format == "mxfp4" else "BF16 experts (weight): there is no quantization_config")
+    return f"checkpoint tensor {name} matches no parameter: the config declares {declared}"
+
+
+def _check_dtype(name: str, t: torch.Tensor, want: torch.dtype) -> None:
+    if want == torch.uint8 and t.dtype != torch.uint8:
+        what = "E8M0 scales" if name.endswith("weight_scale") else "E2M1 codes, two a byte"
+        raise ValueError(f"checkpoint tensor {name} is {t.dtype}; the quantization_config declares {what} (uint8)")
+    if want.is_floating_point and not t.is_floating_point():
+        raise ValueError(f"checkpoint tensor {name} is {t.dtype}, not a floating-point weight")
+
+
+def load_checkpoint(params: dict[str, torch.Tensor], cfg: K3Config,
+                    tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    """Copy checkpoint tensors into ``params`` (a model's named parameters); returns the parameters written.
+
+    ValueError naming the tensor for one that matches no parameter, has another shape, or another kind
+    of dtype (uint8 codes and scales, floating-point weights), and for every tensor the checkpoint lacks.
+    """
+    meta = {n: torch.empty(p.shape, dtype=p.dtype, device="meta") for n, p in params.items()}
+    expected = {n: (t.shape, t.dtype) for n, t in checkpoint_tensors(meta, cfg).items()}
+    seen, loaded = set(), set()
+    for name, t in tensors:
+        if name not in expected:
+            raise ValueError(_unknown(name, cfg))
+        shape, dtype = expected[name]
+        if t.shape != shape:
+            raise ValueError(f"checkpoint tensor {name}: shape {tuple(t.shape)}, expected {tuple(shape)}")
+        _check_dtype(name, t, dtype)
+        pname, dst = load_target(name, cfg, params)
+        dst.copy_(t)
+        seen.add(name)
+        loaded.add(pname)
+    missing = [n for n in expected if n not in seen]
+    if missing:
+        raise ValueError(f"the checkpoint lacks {len(missing)} tensors: {', '.join(missing[:4])}"
+                         f"{', ...' if len(missing) > 4 else ''}")
+    return loaded
+
+
 def write_tokenizer(directory: Path, vocab_size: int) -> None:
     """A word-level ``tokenizer.json`` (+ ``tokenizer_config.json``): ``<unk>``, ``</s>``, then ``w2`` ..."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -157,17 +217,33 @@ def write_tokenizer(directory: Path, vocab_size: int) -> None:
         "pad_token": "<unk>", "model_max_length": 4096}, indent=1))
 
 
-def make_checkpoint(preset_name: str, directory: str | Path, seed: int = 0) -> Path:
-    """Write ``preset_name``'s stock decoder with random weights (``build_model(cfg, seed)``) to ``directory``."""
+def quantize_experts(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state_dict`` with each BF16 ``experts.w13_weight`` / ``w2_weight`` replaced by compressed-tensors' MXFP4
+    (``w13_weight_packed`` and ``w13_weight_scale``, ...)."""
+    out = {}
+    for name, t in state_dict.items():
+        if name.endswith(("experts.w13_weight", "experts.w2_weight")):
+            out[f"{name}_packed"], out[f"{name}_scale"] = compress_mxfp4(t)
+        else:
+            out[name] = t
+    return out
+
+
+def make_checkpoint(preset_name: str, directory: str | Path, seed: int = 0, experts: str | None = None) -> Path:
+    """Write ``preset_name``'s stock decoder with random BF16 weights (``build_model(cfg, seed)``) to ``directory``;
+    ``experts="mxfp4"`` stores its routed experts as K3 does (compressed-tensors' MXFP4 of those BF16 weights;
+    default: the preset's ``experts_format``)."""
     from safetensors.torch import save_file
 
     from dep_compile.stock import build_model
 
-    cfg = preset(preset_name)
+    cfg = preset(preset_name, **({"experts_format": experts} if experts else {}))
+    state = build_model(cfg.replace(experts_format="bf16"), seed=seed).state_dict()
+    if cfg.experts_format == "mxfp4":
+        state = quantize_experts(state)
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    model = build_model(cfg, seed=seed)
-    save_file(checkpoint_tensors(model.state_dict(), cfg), str(d / "model.safetensors"), metadata={"format": "pt"})
+    save_file(checkpoint_tensors(state, cfg), str(d / "model.safetensors"), metadata={"format": "pt"})
     (d / "config.json").write_text(json.dumps(hf_config(cfg), indent=1))
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS_ID, "do_sample": False}))
     write_tokenizer(d, cfg.vocab_size)
@@ -181,21 +257,13 @@ def load_stock_model(directory: str | Path):
     from dep_compile.stock import build_model
 
     d = Path(directory)
-    cfg = config_from_hf(json.loads((d / "config.json").read_text())["text_config"])
+    config = json.loads((d / "config.json").read_text())
+    cfg = config_from_hf(config["text_config"], quantization_config=config.get("quantization_config"))
     model = build_model(cfg)
-    params = dict(model.named_parameters())
-    loaded = set()
     with torch.no_grad():
-        for name, t in load_file(str(d / "model.safetensors")).items():
-            target = load_target(name, cfg, params)
-            if target is None:
-                raise ValueError(f"checkpoint tensor {name} matches no parameter")
-            target[1].copy_(t)
-            loaded.add(target[0])
-    if loaded != set(params):
-        raise ValueError(f"parameters not in the checkpoint: {sorted(set(params) - loaded)}")
+        load_checkpoint(dict(model.named_parameters()), cfg, load_file(str(d / "model.safetensors")).items())
     return model
 
 
 __all__ = ["ARCHITECTURE", "MODEL_TYPE", "hf_config", "config_from_hf", "checkpoint_tensors", "load_target",
-           "make_checkpoint", "load_stock_model"]
+           "load_checkpoint", "quantize_experts", "make_checkpoint", "load_stock_model"]

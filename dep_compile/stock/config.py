@@ -140,13 +140,14 @@ class K3Config:
         return dataclasses.replace(self, **changes)
 
 
-def _kda_schedule(num_layers: int) -> tuple[int, ...]:
-    """1-based KDA layer numbers for the 3:1 KDA:full cycle (every 4th layer is full)."""
-    return tuple(n for n in range(1, num_layers + 1) if n % 4 != 0)
+def _kda_schedule(num_layers: int, last_full: bool = False) -> tuple[int, ...]:
+    """1-based KDA layer numbers for the 3:1 KDA:full cycle (every 4th layer is full, and the last one with
+    ``last_full``, as in K3's config.json: full attention at 4, 8, ..., 92 and 93)."""
+    return tuple(n for n in range(1, num_layers + 1) if n % 4 != 0 and not (last_full and n == num_layers))
 
 
-def _full_layers(num_layers: int) -> tuple[int, ...]:
-    return tuple(l for l in range(num_layers) if (l + 1) % 4 == 0)
+def _full_layers(num_layers: int, last_full: bool = False) -> tuple[int, ...]:
+    return tuple(l for l in range(num_layers) if l + 1 not in _kda_schedule(num_layers, last_full))
 
 
 _FULL = dict(
@@ -221,15 +222,16 @@ _SMALL = dict(
 
 
 def _preset(name: str, base: dict, num_layers: int, full_kind: str) -> K3Config:
-    full = _full_layers(num_layers)
+    last_full = base is _FULL and num_layers == base["num_layers"]  # K3's own schedule at its own depth: 69 KDA + 24
+    full = _full_layers(num_layers, last_full)
     if full_kind == "mla":
         dsa = ()
     elif full_kind == "dsa":
         dsa = full
     else:  # mixed: alternate DSA and MLA among the full-attention layers
         dsa = full[::2]
-    return K3Config(name=name, **{**base, "num_layers": num_layers}, kda_layers=_kda_schedule(num_layers), dsa_layers=dsa,
-                    experts_format="mxfp4" if base is _FULL else "bf16")  # K3 ships MXFP4 experts
+    return K3Config(name=name, **{**base, "num_layers": num_layers}, kda_layers=_kda_schedule(num_layers, last_full),
+                    dsa_layers=dsa, experts_format="mxfp4" if base is _FULL else "bf16")  # K3 ships MXFP4 experts
 
 
 _SPECS = {

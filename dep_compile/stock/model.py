@@ -94,11 +94,13 @@ class KimiK3ForCausalLM(nn.Module):
         return logits.view(B, L, -1)[:, -1]
 
 
+FP32_PARAMS = ("A_log", "dt_bias", "e_score_correction_bias")  # parameter leaves the decoder keeps in FP32
+
+
 def init_weights(model: nn.Module, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
     """Random weights at scales that keep activations O(1); BF16 except A_log, dt_bias, the router bias, and
     MXFP4 experts' codes and scales (uint8: random codes, scales for the same RMS as BF16 experts)."""
     g = torch.Generator().manual_seed(seed)
-    keep_fp32 = ("A_log", "dt_bias", "e_score_correction_bias")
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, p in params.items():
@@ -124,7 +126,7 @@ def init_weights(model: nn.Module, seed: int = 0, dtype: torch.dtype = torch.bfl
                 val = torch.randn(p.shape, generator=g) * fan_in ** -0.5
             else:
                 val = torch.randn(p.shape, generator=g)
-            p.data = val.to(torch.float32 if leaf in keep_fp32 else dtype)
+            p.data = val.to(torch.float32 if leaf in FP32_PARAMS else dtype)
     return model
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import math
 
+from dep_compile.integrations.quantization import experts_format
+
 log = logging.getLogger("dep_compile.vllm_k3")
 
 MAX_STEP_TOKENS = 8  # tokens a request may bring to one step (= kimi_dep's default max_q: KDA/DSA stay rewritten)
@@ -29,6 +31,9 @@ class DepKimiK3EngineConfig:
     - Prefix caching is off: a request's first block id names its KDA state slot.
     - ``num_gpu_blocks_override`` fixes the block pool, so the model can allocate its caches
       at construction (the CPU worker compiles before vLLM allocates its KV pool).
+    - A checkpoint's ``quantization_config`` (K3's MXFP4 experts) is checked, then hidden from vLLM's
+      quantization: the model reads it from ``text_config`` and builds its own MXFP4 experts, so vLLM
+      must not make a quant method (compressed-tensors) that the model's plain modules would ignore.
     """
 
     @staticmethod
@@ -51,7 +56,16 @@ class DepKimiK3EngineConfig:
 
     @staticmethod
     def verify_and_update_model_config(model_config) -> None:
-        return
+        """Runs before vLLM resolves the quantization method from ``model_arch_config.quantization_config``."""
+        arch = model_config.model_arch_config
+        if arch.quantization_config is None:
+            return
+        if model_config.quantization is not None:
+            raise ValueError(f"the dep_compile K3 model reads the checkpoint's MXFP4 experts itself: leave vLLM's "
+                             f"quantization unset (got {model_config.quantization!r})")
+        fmt = experts_format(arch.quantization_config)  # ValueError for anything but K3's MXFP4
+        log.info("dep_compile K3: %s routed experts, read by the model itself (vLLM's quantization stays off)", fmt)
+        arch.quantization_config = None
 
 
 __all__ = ["DepKimiK3EngineConfig", "step_sizes", "MAX_STEP_TOKENS"]

@@ -14,7 +14,7 @@ from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 
-from dep_compile.integrations.checkpoint import config_from_hf, load_target
+from dep_compile.integrations.checkpoint import config_from_hf, load_checkpoint
 from dep_compile.integrations.vllm import pack_model_weights
 from dep_compile.stock.model import KimiK3Model
 
@@ -24,8 +24,11 @@ from .step import KimiCacheLayer, StepBuffers
 
 
 def k3_config(vllm_config: VllmConfig):
-    """The stock decoder's K3Config from the checkpoint's ``config.json`` (its ``text_config``)."""
-    return config_from_hf(vllm_config.model_config.hf_text_config.to_dict())
+    """The stock decoder's K3Config from the checkpoint's ``config.json`` (its ``text_config``, and a top-level
+    ``quantization_config``: the experts' format, which the engine hook keeps from vLLM's quantization)."""
+    mc = vllm_config.model_config
+    return config_from_hf(mc.hf_text_config.to_dict(),
+                          quantization_config=getattr(mc.hf_config, "quantization_config", None))
 
 
 @support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0})
@@ -74,17 +77,11 @@ class DepKimiK3ForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Checkpoint tensors (unpacked names, experts one by one; ``checkpoint.load_target``) into
-        the packed parameters, then the DSA and MoE row groups packed zero-copy for the kimi_dep ops
-        (before vLLM compiles the model, docs/design.md §5.4); returns the parameters written."""
-        params = dict(self.named_parameters())
-        loaded = set()
-        for name, w in weights:
-            target = load_target(name, self.config, params)
-            if target is None or target[1].shape != w.shape:
-                raise ValueError(f"checkpoint tensor {name} {tuple(w.shape)} matches no parameter")
-            target[1].copy_(w)
-            loaded.add(target[0])
+        """Checkpoint tensors (unpacked names, experts one by one, BF16 or MXFP4; ``checkpoint.load_checkpoint``,
+        which names any tensor that is unknown, misshapen or missing) into the packed parameters, then the DSA
+        and MoE row groups packed zero-copy for the kimi_dep ops (before vLLM compiles the model,
+        docs/design.md §5.4); returns the parameters written."""
+        loaded = load_checkpoint(dict(self.named_parameters()), self.config, weights)
         pack_model_weights(self)
         return loaded
 
