@@ -92,47 +92,23 @@ def _pipeline(block_n: int, block_m: int, big_m: int, tactic: ExpertsTactic, mxf
     return dict(STAGES=stages, BIG_STAGES=big, num_stages=stages)
 
 
+def _codes_ptx(src: str, out: str, scale: str) -> str:
+    """PTX: the codes at bits 12-15 of both BF16 lanes of ``src`` -> their weights in ``out`` (times ``scale``)."""
+    return (f"and.b32 a, {src}, 0x80008000;\nshr.b32 b, {src}, 6;\nand.b32 b, b, 0x01C001C0;\nor.b32 a, a, b;\n"
+            f"fma.rn.bf16x2 a, a, c126, nz;\nfma.rn.bf16x2 {out}, a, {scale}, nz;\n")
+
+
 # Four code bytes (eight E2M1 codes, the low nibble first) and their scales 2^(s - 127) (BF16, two a register)
 # -> the four low-nibble and the four high-nibble values (BF16, two a register). prmt puts byte i's code pair
 # at bits 8-15 of BF16 lane i; a code's sign and three magnitude bits then move to the lane's sign, lowest two
 # exponent bits and first mantissa bit (2^(e - 127) * 1.m, or the subnormal m * 2^-127 for e = 0), times 2^126
 # gives the E2M1 value, times the scale the weight: exact (BF16 FMAs keep subnormals; -0 added keeps -0).
-_DEQUANT_PTX = tl.constexpr("""
-{
-.reg .b32 z, nz, c126, t0, t1, a, b;
-mov.b32 z, 0;
-mov.b32 nz, 0x80008000;
-mov.b32 c126, 0x7E807E80;
-prmt.b32 t0, $4, z, 0x1404;
-prmt.b32 t1, $4, z, 0x3424;
-and.b32 a, t0, 0x80008000;
-shr.b32 b, t0, 6;
-and.b32 b, b, 0x01C001C0;
-or.b32 a, a, b;
-fma.rn.bf16x2 a, a, c126, nz;
-fma.rn.bf16x2 $2, a, $5, nz;
-and.b32 a, t1, 0x80008000;
-shr.b32 b, t1, 6;
-and.b32 b, b, 0x01C001C0;
-or.b32 a, a, b;
-fma.rn.bf16x2 a, a, c126, nz;
-fma.rn.bf16x2 $3, a, $6, nz;
-shl.b32 t0, t0, 4;
-shl.b32 t1, t1, 4;
-and.b32 a, t0, 0x80008000;
-shr.b32 b, t0, 6;
-and.b32 b, b, 0x01C001C0;
-or.b32 a, a, b;
-fma.rn.bf16x2 a, a, c126, nz;
-fma.rn.bf16x2 $0, a, $5, nz;
-and.b32 a, t1, 0x80008000;
-shr.b32 b, t1, 6;
-and.b32 b, b, 0x01C001C0;
-or.b32 a, a, b;
-fma.rn.bf16x2 a, a, c126, nz;
-fma.rn.bf16x2 $1, a, $6, nz;
-}
-""")
+_DEQUANT_PTX = tl.constexpr(
+    "{\n.reg .b32 z, nz, c126, t0, t1, a, b;\nmov.b32 z, 0;\nmov.b32 nz, 0x80008000;\nmov.b32 c126, 0x7E807E80;\n"
+    "prmt.b32 t0, $4, z, 0x1404;\nprmt.b32 t1, $4, z, 0x3424;\n"  # [0, b0, 0, b1], [0, b2, 0, b3]: high nibbles first
+    + _codes_ptx("t0", "$2", "$5") + _codes_ptx("t1", "$3", "$6")
+    + "shl.b32 t0, t0, 4;\nshl.b32 t1, t1, 4;\n"  # then the low nibbles
+    + _codes_ptx("t0", "$0", "$5") + _codes_ptx("t1", "$1", "$6") + "}\n")
 
 
 @triton.jit
