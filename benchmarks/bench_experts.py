@@ -59,8 +59,8 @@ MXFP4_TACTICS = [  # beside the default (DEFAULT_MXFP4_TACTIC: 256-input steps, 
     ExpertsTactic(),  # Triton integer ops into a whole tile, 128-input steps: 0.67-0.77 TB/s
     ExpertsTactic(ptx_dequant=True),  # 128-input steps: 0.88-1.11 TB/s
     ExpertsTactic(block_k=512, num_stages=2, ptx_dequant=True),  # 0.80-1.02 TB/s
-    # 8 warps ran 0.52-0.64 TB/s; the even/odd tiling (low / high nibble half tiles, each a dot with the even /
-    # odd inputs) 0.2-0.6 TB/s
+    # 8 warps ran 0.52-0.64 TB/s; an even/odd tiling (low / high nibble half tiles, each a dot with the even /
+    # odd inputs; since removed) 0.2-0.6 TB/s
 ]
 
 
@@ -96,7 +96,7 @@ def run_point(setting, tokens, E, start, total, w13s, w2s, gen, tactics, profile
 
         err = rel_err(fn(0), ref)
         assert err < 4e-3, f"{setting} {tokens} tokens, {name}: rel err {err}"
-        if mxfp4 and not tac.even_odd:  # the same tiles as the BF16 kernels: the same bits
+        if mxfp4:  # the same tiles as the BF16 kernels: the same bits
             assert torch.equal(fn(0), routed_experts_triton(x, *dense, tw, ids, start, BETA, BETA_LIN, tactic=tac)), \
                 f"{setting} {tokens} tokens, {name}: MXFP4 kernels differ from the BF16 ones on the dequantized weights"
         row[f"err_{name}"] = err

@@ -266,14 +266,13 @@ def _mx_tactic(et, size):
 
 
 def _check_mx(et, case, start, tactic):
-    """MXFP4 kernels: within the BF16 kernels' bounds of the reference on the dequantized weights, and bit-equal
-    to the BF16 kernels on them where the tiles are the same (``even_odd`` sums in another order)."""
+    """MXFP4 kernels: bit-equal to the BF16 kernels on the dequantized weights (the same tiles, dequantized in
+    registers), and within the BF16 kernels' bounds of the reference on them."""
     x, w13, w2, w, ids = case
     dense = (x, w13.dequantize(), w2.dequantize(), w, ids)
     ref = routed_experts_partial(*dense, start, BETA, BETA_LIN)
     got = et.routed_experts_triton(x, w13, w2, w, ids, start, BETA, BETA_LIN, tactic=tactic)
-    if not tactic.even_odd:
-        assert torch.equal(got, et.routed_experts_triton(*dense, start, BETA, BETA_LIN, tactic=tactic))
+    assert torch.equal(got, et.routed_experts_triton(*dense, start, BETA, BETA_LIN, tactic=tactic))
     scale = float(ref.abs().max())
     assert scale > 0.1, "the case routes no real work to local experts"
     err, rel = float((got - ref).abs().max()), float((got - ref).norm() / ref.norm())
@@ -282,16 +281,12 @@ def _check_mx(et, case, start, tactic):
 
 
 @device_test
-@pytest.mark.parametrize("even_odd", [False, True], ids=["tile", "even_odd"])
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("T", [1, 16])
-def test_mxfp4_matches_the_bf16_kernels_on_dequantized_weights(size, T, even_odd):
-    import dataclasses
-
+def test_mxfp4_matches_the_bf16_kernels_on_dequantized_weights(size, T):
     et = _et()
     sh = SMALL_MX if size == "small" else dict(FULL, E=64)
-    tactic = dataclasses.replace(_mx_tactic(et, size), even_odd=even_odd)
-    _check_mx(et, _mx_case(T, **sh, seed=30 + T), 0, tactic)
+    _check_mx(et, _mx_case(T, **sh, seed=30 + T), 0, _mx_tactic(et, size))
 
 
 @device_test
@@ -338,19 +333,18 @@ def test_stock_dequantizes_the_touched_experts_exactly():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("even_odd", [False, True], ids=["tile", "even_odd"])
 @pytest.mark.parametrize("ptx", [False, True], ids=["triton_dequant", "ptx_dequant"])
 @pytest.mark.parametrize("E", [56, 64])
 @pytest.mark.parametrize("T", [1, 4, 16, 64])
-def test_mxfp4_full_size(E, T, ptx, even_odd):
-    """K3 widths, MXFP4: one EP16 rank's 56 experts (ids of all 896) or the slice's 64; both dequantizers, both
-    tilings."""
+def test_mxfp4_full_size(E, T, ptx):
+    """K3 widths, MXFP4: one EP16 rank's 56 experts (ids of all 896) or the slice's 64; both dequantizers
+    (the default MXFP4 tactic's 256-input steps)."""
     import dataclasses
 
     et = _et()
     start, total = (3 * 56, 896) if E == 56 else (0, 64)
     tokens = T if E == 64 else 16 * T
-    tactic = dataclasses.replace(et.DEFAULT_TACTIC, ptx_dequant=ptx, even_odd=even_odd)
+    tactic = dataclasses.replace(et.DEFAULT_MXFP4_TACTIC, ptx_dequant=ptx)
     _check_mx(et, _mx_case(tokens, **FULL, E=E, E_total=total, seed=T + E + 40), start, tactic)
 
 

@@ -59,12 +59,10 @@ class ExpertsTactic:
     block_m: int | None = None
     ptx_dequant: bool = False  # MXFP4 on CUDA: dequantize with _DEQUANT_PTX (two values an instruction) instead of
                                # Triton integer ops (the interpreter always runs the latter)
-    even_odd: bool = False  # MXFP4: low and high nibbles as two half tiles, each a dot with the even / odd inputs
-                            # (no interleave in registers; another summation order than the BF16 kernels)
 
     def __str__(self) -> str:
         return (f"n{self.block_n1}/{self.block_n2}k{self.block_k}w{self.num_warps}s{self.num_stages}m{self.block_m}"
-                + ("ptx" if self.ptx_dequant else "") + ("eo" if self.even_odd else ""))
+                + ("ptx" if self.ptx_dequant else ""))
 
 
 DEFAULT_TACTIC = ExpertsTactic()
@@ -150,31 +148,6 @@ def _weight_tile(w_ptrs, s_ptrs, k, K: tl.constexpr, MXFP4: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def _weight_halves(w_ptrs, s_ptrs, k, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   PTX: tl.constexpr):
-    """MXFP4 only: the BF16 weights of the even and of the odd inputs among k .. k + BLOCK_K, [BLOCK_N, BLOCK_K / 2]
-    each (zero past K), dequantized in registers from ``w_ptrs`` code bytes and ``s_ptrs`` scales, both
-    [BLOCK_N, BLOCK_K / 2] pointers at input 0 (a scale's pointer repeated for its 16 bytes)."""
-    if K % BLOCK_K == 0:
-        p = tl.load(w_ptrs + k // 2, eviction_policy="evict_first")
-        s = tl.load(s_ptrs + k // 32)
-    else:
-        hmask = (k // 2 + tl.arange(0, BLOCK_K // 2)) < K // 2
-        p = tl.load(w_ptrs + k // 2, mask=hmask[None, :], other=0, eviction_policy="evict_first")
-        s = tl.load(s_ptrs + k // 32, mask=hmask[None, :], other=0)
-    scale = e8m0_bf16(s.to(tl.int32))
-    if PTX:
-        lo, hi = tl.inline_asm_elementwise(_DEQUANT_PTX, "=r,=r,=r,=r,r,r,r", [p, scale],
-                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-    else:
-        c = p.to(tl.int32)
-        f = scale.to(tl.float32)
-        lo = (e2m1_bf16(c & 15).to(tl.float32) * f).to(tl.bfloat16)  # exact: a power-of-two scale
-        hi = (e2m1_bf16(c >> 4).to(tl.float32) * f).to(tl.bfloat16)
-    return lo, hi
-
-
-@triton.jit
 def _dot(w, a, acc, INTERPRET: tl.constexpr):
     """acc + w @ a^T: the weight tile [N, K] times activations [M, K] (the interpreter's BF16 dot is wrong:
     FP32, exact products)."""
@@ -187,16 +160,11 @@ def _dot(w, a, acc, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _weight_ptrs(w_ptr, s_ptr, e, rn, stride_we, stride_wn, stride_se, stride_sn, MXFP4: tl.constexpr,
-                 EVEN_ODD: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Pointers of expert ``e``'s rows ``rn`` at input 0: (weights, scales) as ``_weight_tile`` or, with
-    ``EVEN_ODD``, ``_weight_halves`` reads them."""
+                 BLOCK_K: tl.constexpr):
+    """Pointers of expert ``e``'s rows ``rn`` at input 0: (weights, scales) as ``_weight_tile`` reads them."""
     if MXFP4:
         w = w_ptr + e.to(tl.int64) * stride_we + rn[:, None] * stride_wn + tl.arange(0, BLOCK_K // 2)[None, :]
-        if EVEN_ODD:
-            cols = tl.arange(0, BLOCK_K // 2) // 16
-        else:
-            cols = tl.arange(0, BLOCK_K // 32)
-        s = s_ptr + e.to(tl.int64) * stride_se + rn[:, None] * stride_sn + cols[None, :]
+        s = s_ptr + e.to(tl.int64) * stride_se + rn[:, None] * stride_sn + tl.arange(0, BLOCK_K // 32)[None, :]
     else:
         w = w_ptr + e.to(tl.int64) * stride_we + rn[:, None] * stride_wn + tl.arange(0, BLOCK_K)[None, :]
         s = w
@@ -233,7 +201,7 @@ def _count_kernel(ids_ptr, counts_ptr, offsets_ptr, order_ptr, row_of_ptr, P, ex
 def _gemm1_pass(x_ptr, wg_base, wu_base, sg_base, su_base, act_ptr, order_ptr, off, c, m0, offs_n, offs_k,
                 stride_x, K_TOP, beta, beta_lin, LAT: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, MXFP4: tl.constexpr,
-                PTX: tl.constexpr, EVEN_ODD: tl.constexpr, INTERPRET: tl.constexpr):
+                PTX: tl.constexpr, INTERPRET: tl.constexpr):
     """Rows m0 .. m0 + BLOCK_M of one expert: gate/up tile GEMM, BF16 rounding, SiTU, BF16 store."""
     rm = m0 + tl.arange(0, BLOCK_M)
     mmask = rm < c
@@ -241,25 +209,14 @@ def _gemm1_pass(x_ptr, wg_base, wu_base, sg_base, su_base, act_ptr, order_ptr, o
     tok = (pair // K_TOP).to(tl.int64)
     acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    if EVEN_ODD:  # MXFP4: even and odd inputs against the low and high nibbles
-        xe_ptrs = x_ptr + tok[:, None] * stride_x + 2 * tl.arange(0, BLOCK_K // 2)[None, :]
-        for k in tl.range(0, LAT, BLOCK_K, num_stages=STAGES):
-            kmask = (k + 2 * tl.arange(0, BLOCK_K // 2)) < LAT
-            xe = tl.load(xe_ptrs + k, mask=mmask[:, None] & kmask[None, :], other=0.0)
-            xo = tl.load(xe_ptrs + k + 1, mask=mmask[:, None] & kmask[None, :], other=0.0)
-            gl, gh = _weight_halves(wg_base, sg_base, k, LAT, BLOCK_N, BLOCK_K, PTX)
-            ul, uh = _weight_halves(wu_base, su_base, k, LAT, BLOCK_N, BLOCK_K, PTX)
-            acc_g = _dot(gh, xo, _dot(gl, xe, acc_g, INTERPRET), INTERPRET)
-            acc_u = _dot(uh, xo, _dot(ul, xe, acc_u, INTERPRET), INTERPRET)
-    else:
-        x_ptrs = x_ptr + tok[:, None] * stride_x + offs_k[None, :]
-        for k in tl.range(0, LAT, BLOCK_K, num_stages=STAGES):
-            if LAT % BLOCK_K == 0:
-                xt = tl.load(x_ptrs + k, mask=mmask[:, None], other=0.0)
-            else:
-                xt = tl.load(x_ptrs + k, mask=mmask[:, None] & ((k + offs_k) < LAT)[None, :], other=0.0)
-            acc_g = _dot(_weight_tile(wg_base, sg_base, k, LAT, MXFP4, BLOCK_N, BLOCK_K, PTX), xt, acc_g, INTERPRET)
-            acc_u = _dot(_weight_tile(wu_base, su_base, k, LAT, MXFP4, BLOCK_N, BLOCK_K, PTX), xt, acc_u, INTERPRET)
+    x_ptrs = x_ptr + tok[:, None] * stride_x + offs_k[None, :]
+    for k in tl.range(0, LAT, BLOCK_K, num_stages=STAGES):
+        if LAT % BLOCK_K == 0:
+            xt = tl.load(x_ptrs + k, mask=mmask[:, None], other=0.0)
+        else:
+            xt = tl.load(x_ptrs + k, mask=mmask[:, None] & ((k + offs_k) < LAT)[None, :], other=0.0)
+        acc_g = _dot(_weight_tile(wg_base, sg_base, k, LAT, MXFP4, BLOCK_N, BLOCK_K, PTX), xt, acc_g, INTERPRET)
+        acc_u = _dot(_weight_tile(wu_base, su_base, k, LAT, MXFP4, BLOCK_N, BLOCK_K, PTX), xt, acc_u, INTERPRET)
     g = acc_g.to(tl.bfloat16).to(tl.float32)  # the grouped GEMM's BF16 output
     u = acc_u.to(tl.bfloat16).to(tl.float32)
     a = situ_fp32(g, u, beta, beta_lin)  # of the BF16-rounded gate and up: stock's numerics
@@ -277,7 +234,7 @@ def _gemm1_kernel(
     stride_x, stride_we, stride_wn, stride_se, stride_sn, K_TOP, beta, beta_lin,
     LAT: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BIG_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, BIG_STAGES: tl.constexpr,
-    MXFP4: tl.constexpr, PTX: tl.constexpr, EVEN_ODD: tl.constexpr, INTERPRET: tl.constexpr,
+    MXFP4: tl.constexpr, PTX: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """act[rows of expert e, n-tile] = SiTU(x[tokens] @ w13[e] gate / up tiles^T), BF16."""
     pid_n = tl.program_id(0)
@@ -288,46 +245,36 @@ def _gemm1_kernel(
     rn = tl.minimum(offs_n, INTER - 1).to(tl.int64)  # ragged last tile re-reads valid rows
     offs_k = tl.arange(0, BLOCK_K)
     wg_base, sg_base = _weight_ptrs(w13_ptr, s13_ptr, e, rn, stride_we, stride_wn, stride_se, stride_sn, MXFP4,
-                                    EVEN_ODD, BLOCK_K)
+                                    BLOCK_K)
     wu_base = wg_base + INTER * stride_wn
     su_base = sg_base + INTER * stride_sn
     if c > BLOCK_M:  # a crowded expert: BIG_M rows a pass
         for m0 in range(0, c, BIG_M):
             _gemm1_pass(x_ptr, wg_base, wu_base, sg_base, su_base, act_ptr, order_ptr, off, c, m0, offs_n, offs_k,
                         stride_x, K_TOP, beta, beta_lin, LAT, INTER, BIG_M, BLOCK_N, BLOCK_K, BIG_STAGES, MXFP4, PTX,
-                        EVEN_ODD, INTERPRET)
+                        INTERPRET)
     elif c > 0:  # one pass
         _gemm1_pass(x_ptr, wg_base, wu_base, sg_base, su_base, act_ptr, order_ptr, off, c, 0, offs_n, offs_k,
                     stride_x, K_TOP, beta, beta_lin, LAT, INTER, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MXFP4, PTX,
-                    EVEN_ODD, INTERPRET)
+                    INTERPRET)
 
 
 @triton.jit
 def _gemm2_pass(act_ptr, w_base, s_base, tw_ptr, ys_ptr, order_ptr, off, c, m0, offs_n, offs_k, LAT: tl.constexpr,
                 INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                STAGES: tl.constexpr, MXFP4: tl.constexpr, PTX: tl.constexpr, EVEN_ODD: tl.constexpr,
-                INTERPRET: tl.constexpr):
+                STAGES: tl.constexpr, MXFP4: tl.constexpr, PTX: tl.constexpr, INTERPRET: tl.constexpr):
     """Rows m0 .. m0 + BLOCK_M of one expert: w2 tile GEMM in FP32, times the routing weight, FP32 store."""
     rm = m0 + tl.arange(0, BLOCK_M)
     mmask = rm < c
     rows = (off + rm).to(tl.int64)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    if EVEN_ODD:
-        ae_ptrs = act_ptr + rows[:, None] * INTER + 2 * tl.arange(0, BLOCK_K // 2)[None, :]
-        for k in tl.range(0, INTER, BLOCK_K, num_stages=STAGES):
-            kmask = (k + 2 * tl.arange(0, BLOCK_K // 2)) < INTER
-            ae = tl.load(ae_ptrs + k, mask=mmask[:, None] & kmask[None, :], other=0.0)
-            ao = tl.load(ae_ptrs + k + 1, mask=mmask[:, None] & kmask[None, :], other=0.0)
-            wl, wh = _weight_halves(w_base, s_base, k, INTER, BLOCK_N, BLOCK_K, PTX)
-            acc = _dot(wh, ao, _dot(wl, ae, acc, INTERPRET), INTERPRET)
-    else:
-        a_ptrs = act_ptr + rows[:, None] * INTER + offs_k[None, :]
-        for k in tl.range(0, INTER, BLOCK_K, num_stages=STAGES):
-            if INTER % BLOCK_K == 0:
-                at = tl.load(a_ptrs + k, mask=mmask[:, None], other=0.0)
-            else:
-                at = tl.load(a_ptrs + k, mask=mmask[:, None] & ((k + offs_k) < INTER)[None, :], other=0.0)
-            acc = _dot(_weight_tile(w_base, s_base, k, INTER, MXFP4, BLOCK_N, BLOCK_K, PTX), at, acc, INTERPRET)
+    a_ptrs = act_ptr + rows[:, None] * INTER + offs_k[None, :]
+    for k in tl.range(0, INTER, BLOCK_K, num_stages=STAGES):
+        if INTER % BLOCK_K == 0:
+            at = tl.load(a_ptrs + k, mask=mmask[:, None], other=0.0)
+        else:
+            at = tl.load(a_ptrs + k, mask=mmask[:, None] & ((k + offs_k) < INTER)[None, :], other=0.0)
+        acc = _dot(_weight_tile(w_base, s_base, k, INTER, MXFP4, BLOCK_N, BLOCK_K, PTX), at, acc, INTERPRET)
     pair = tl.load(order_ptr + off + rm, mask=mmask, other=0)
     wgt = tl.load(tw_ptr + pair, mask=mmask, other=0.0).to(tl.float32)
     out = ys_ptr + rows[None, :] * LAT + offs_n[:, None]
@@ -345,7 +292,7 @@ def _gemm2_kernel(
     stride_we, stride_wn, stride_se, stride_sn,
     LAT: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BIG_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, BIG_STAGES: tl.constexpr,
-    MXFP4: tl.constexpr, PTX: tl.constexpr, EVEN_ODD: tl.constexpr, INTERPRET: tl.constexpr,
+    MXFP4: tl.constexpr, PTX: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """ys[rows of expert e, n-tile] = routing weight * (act[rows] @ w2[e] tile^T), FP32."""
     pid_n = tl.program_id(0)
@@ -355,15 +302,14 @@ def _gemm2_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rn = tl.minimum(offs_n, LAT - 1).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
-    w_base, s_base = _weight_ptrs(w2_ptr, s2_ptr, e, rn, stride_we, stride_wn, stride_se, stride_sn, MXFP4,
-                                  EVEN_ODD, BLOCK_K)
+    w_base, s_base = _weight_ptrs(w2_ptr, s2_ptr, e, rn, stride_we, stride_wn, stride_se, stride_sn, MXFP4, BLOCK_K)
     if c > BLOCK_M:
         for m0 in range(0, c, BIG_M):
             _gemm2_pass(act_ptr, w_base, s_base, tw_ptr, ys_ptr, order_ptr, off, c, m0, offs_n, offs_k, LAT, INTER,
-                        BIG_M, BLOCK_N, BLOCK_K, BIG_STAGES, MXFP4, PTX, EVEN_ODD, INTERPRET)
+                        BIG_M, BLOCK_N, BLOCK_K, BIG_STAGES, MXFP4, PTX, INTERPRET)
     elif c > 0:
         _gemm2_pass(act_ptr, w_base, s_base, tw_ptr, ys_ptr, order_ptr, off, c, 0, offs_n, offs_k, LAT, INTER,
-                    BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MXFP4, PTX, EVEN_ODD, INTERPRET)
+                    BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MXFP4, PTX, INTERPRET)
 
 
 @triton.jit(do_not_specialize=["expert_start", "E"])
@@ -474,8 +420,7 @@ def routed_experts_triton(
     bm = tactic.block_m or experts_block_m(T)
     big = max(bm, BIG_M)
     common = dict(LAT=lat, INTER=inter, BLOCK_M=bm, BIG_M=big, BLOCK_K=tactic.block_k, MXFP4=mxfp4,
-                  PTX=mxfp4 and tactic.ptx_dequant and not _INTERPRET, EVEN_ODD=mxfp4 and tactic.even_odd,
-                  INTERPRET=_INTERPRET, num_warps=tactic.num_warps)
+                  PTX=mxfp4 and tactic.ptx_dequant and not _INTERPRET, INTERPRET=_INTERPRET, num_warps=tactic.num_warps)
     _gemm1_kernel[(triton.cdiv(inter, tactic.block_n1), E)](
         x, w13_t, s13, act, counts, offsets, order, x.stride(0), w13_t.stride(0), w13_t.stride(1), s13.stride(0),
         s13.stride(1), K, float(beta), float(beta_lin), BLOCK_N=tactic.block_n1,
