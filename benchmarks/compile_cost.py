@@ -62,22 +62,23 @@ def pass_cpu_seconds(gm, example_inputs, repeats: int = 3) -> float:
     return min(run_passes(gm, example_inputs)[0] for _ in range(repeats))
 
 
-def probes(gm, example_inputs) -> tuple[int, Any]:
-    """(translation-validation probes run, the report) for one pass run over ``gm`` with validation on."""
+def probes(gm, example_inputs) -> tuple[dict, Any]:
+    """(translation-validation probes run, by "layers" (DSA / KDA / MoE) and "attn_res" points; the report) for
+    one pass run over ``gm`` with validation on."""
     from dep_compile.passes import validate  # noqa: PLC0415
 
-    real, calls = validate.check, []
+    real, calls = validate.check, {"layers": 0, "attn_res": 0}
 
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
+    def counting(probe, *args, **kwargs):
+        calls["attn_res" if probe.prepared is None else "layers"] += 1  # an AttnRes point has no prepared layer
+        return real(probe, *args, **kwargs)
 
     validate.check = counting
     try:
         report = run_passes(gm, example_inputs, validate=True)[1]
     finally:
         validate.check = real
-    return len(calls), report
+    return calls, report
 
 
 def measure(layers: int, inductor: bool, validate: bool) -> tuple[float, float, float, int]:

@@ -3,7 +3,7 @@
 The passes are timed alone, on copies of one traced graph per depth, in CPU time (``time.process_time``,
 the least of three runs): the wall clock of a whole compile measured the machine's load as much as the
 passes (2 of 3 runs failed on an idle 2-core machine). Translation validation is counted, not timed: one
-probe per layer structure is a deterministic property.
+probe per layer structure (AttnRes points: per bank state) is a deterministic property.
 """
 
 from __future__ import annotations
@@ -38,12 +38,16 @@ def test_pass_time_linear_in_layers(graphs):
 
 
 def test_validation_runs_one_probe_per_layer_structure(graphs):
+    """DSA, KDA and MoE layers: one probe per structure, whatever the depth. AttnRes points: one per distinct
+    bank state (how many blocks it mixes, whether it writes one), so at most two per bank block (K3: <= 32)."""
     counts = {}
     for n in DEPTHS:
         count, report = cc.probes(*graphs[n])
         assert report.num_rewritten == 2 * n - 1  # every attention layer and every MoE (layer 0 is dense)
         assert all(m.validation.startswith("probe") for m in report.layers if m.rewritten), report.table()
-        counts[n] = count
+        assert all(m.validation.startswith("probe") for m in report.points if m.rewritten), report.table()
+        assert 0 < count["attn_res"] <= 2 * cc.preset("k31-small", num_layers=n).attn_res_blocks, count
+        counts[n] = count["layers"]
     assert counts[16] == counts[64] > 0, counts
 
 
