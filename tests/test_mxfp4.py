@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dep_compile.integrations.quantization import compress_mxfp4
 from dep_compile.stock import build_model, preset
 from dep_compile.stock.mxfp4 import E2M1, GROUP, Mxfp4Weight, dequantize, random_mxfp4, unpack_codes
 
@@ -18,19 +19,6 @@ from helpers import run_pair
 
 ct = pytest.importorskip("compressed_tensors", reason="the dev extra installs compressed-tensors")
 BETA, BETA_LIN = 4.0, 25.0
-
-
-def _ct_compress(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """compressed-tensors' MXFP4 (weights only, the "MXFP4A16" scheme) of a BF16 ``w [N, K]``: (packed, scale)."""
-    from compressed_tensors.compressors import MXFP4PackedCompressor
-    from compressed_tensors.quantization import preset_name_to_scheme
-    from compressed_tensors.quantization.utils import calculate_qparams
-
-    scheme = preset_name_to_scheme("MXFP4A16", ["Linear"])
-    groups = w.unflatten(-1, (-1, GROUP))
-    scale, zp = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights)
-    out = MXFP4PackedCompressor.compress({"weight": w, "weight_scale": scale, "weight_zero_point": zp}, scheme)
-    return out["weight_packed"], out["weight_scale"]
 
 
 def _ct_decompress(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -58,7 +46,7 @@ def test_compressed_tensors_round_trip(seed):
     """compressed-tensors packs a random BF16 weight; our dequantizer reads its bytes back exactly as it does."""
     g = torch.Generator().manual_seed(seed)
     w = (torch.randn(64, 256, generator=g) * 0.05 * (1 + 3 * torch.rand(64, 1, generator=g))).to(torch.bfloat16)
-    packed, scale = _ct_compress(w)
+    packed, scale = compress_mxfp4(w)
     assert packed.dtype == scale.dtype == torch.uint8 and packed.shape == (64, 128) and scale.shape == (64, 8)
     deq = dequantize(packed, scale)
     assert torch.equal(deq.view(torch.int16), _ct_decompress(packed, scale).view(torch.int16))
