@@ -18,7 +18,7 @@ import torch
 
 from dep_compile.__main__ import main
 from dep_compile.integrations.checkpoint import checkpoint_tensors, config_from_hf, load_stock_model, make_checkpoint
-from dep_compile.integrations.quantization import K3_QUANTIZATION_CONFIG
+from dep_compile.integrations.quantization import K3_QUANTIZATION_CONFIG, compress_mxfp4
 from dep_compile.stock import build_model, preset
 from dep_compile.stock.mxfp4 import Mxfp4Weight
 
@@ -26,7 +26,7 @@ from helpers import run_pair
 
 pytest.importorskip("compressed_tensors", reason="the dev extra installs compressed-tensors")
 safetensors = pytest.importorskip("safetensors.torch", reason="the dev extra installs safetensors (with transformers)")
-from test_mxfp4 import _ct_compress, _ct_decompress  # noqa: E402
+from test_mxfp4 import _ct_decompress  # noqa: E402
 
 PRESET = "k31-small"
 LAYER = "model.layers.1.mlp.experts"
@@ -97,7 +97,7 @@ def test_mxfp4_checkpoint_is_k3s_format(mxfp4_dir, bf16_model):
         w13, w2 = bf16[f"{p}.w13_weight"], bf16[f"{p}.w2_weight"]
         for e in (0, E // 2 + 3, E - 1):
             for part, w in (("w1", w13[e, :I]), ("w3", w13[e, I:]), ("w2", w2[e])):
-                packed, scale = _ct_compress(w)
+                packed, scale = compress_mxfp4(w)
                 assert torch.equal(tensors[f"{p}.{e}.{part}.weight_packed"], packed)
                 assert torch.equal(tensors[f"{p}.{e}.{part}.weight_scale"], scale)
     dense = checkpoint_tensors({k: v for k, v in bf16.items() if ".experts." not in k}, cfg)
