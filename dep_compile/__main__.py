@@ -93,6 +93,8 @@ def memory(args) -> int:
 
 
 def main(argv=None) -> int:
+    from dep_compile.stock.config import DENSE_FORMATS
+
     ap = argparse.ArgumentParser(prog="dep-compile", description="The kimi_dep backend's command line "
                                  "(also `python -m dep_compile`).")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -115,7 +117,8 @@ def main(argv=None) -> int:
     mem.add_argument("--dep", type=int, nargs="+", default=[8, 16, 32], help="DEP sizes (default: 8 16 32)")
     mem.add_argument("--context", type=int, default=4096, help="tokens per request (default: 4096)")
     mem.add_argument("--experts", nargs="+", choices=("bf16", "mxfp4"), default=["bf16", "mxfp4"])
-    mem.add_argument("--dense", nargs="+", choices=("bf16",), default=["bf16"], help="non-expert weights' format")
+    mem.add_argument("--dense", nargs="+", choices=DENSE_FORMATS, default=list(DENSE_FORMATS),
+                     help="non-expert weights' format: bf16, fp8_block (default: both)")
     mem.add_argument("--hbm-gb", type=float, default=None, help="memory per GPU (default: an H200's 150.1)")
     mem.add_argument("--reserve-gb", type=float, default=None, help="not for weights or caches (default: 10)")
     args = ap.parse_args(argv)

@@ -1,7 +1,9 @@
 """Bytes per GPU of a K3 / K3.1 decoder served at DEP, computed from its K3Config.
 
 - Non-expert weights: every parameter outside the routed experts, held by every rank (attention runs at TP1):
-  embeddings, lm_head, attention, the dense first layer, shared experts, router, latent down / up, norms, AttnRes.
+  embeddings, lm_head, attention, the dense first layer, shared experts, router, latent down / up, norms, AttnRes;
+  BF16, or with the projections ``K3Config.dense_format`` covers in FP8 (a byte a weight, an FP32 scale per
+  128 x 128 block).
 - This rank's experts: 1 / DEP of each MoE layer's routed experts, BF16 or MXFP4 (E2M1 codes and E8M0 scales).
 - Caches per request at a context: each KDA layer's conv and FP32 recurrent state, each MLA / DSA layer's latent
   row per token (and per-token scale when FP8), each DSA layer's FP8 index key and scale per token.
@@ -14,11 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
 
 import torch
 
-from dep_compile.stock.config import K3Config
+from dep_compile.stock.config import DENSE_FORMATS, K3Config
 from dep_compile.stock.model import FP32_PARAMS, KimiK3ForCausalLM
 
 GB = 10**9
@@ -29,13 +30,13 @@ H200_BYTES = 150_109_880_320
 RESERVE_BYTES = 10 * GB
 
 
-def _bf16(name: str, numel: int) -> int:
-    return numel * (4 if name.rsplit(".", 1)[-1] in FP32_PARAMS else 2)
+def _dense_bytes(name: str, p: torch.Tensor) -> int:
+    """Bytes of a non-expert parameter as served: FP8 codes a byte, FP32 params and block scales 4, else BF16."""
+    if p.dtype == torch.float8_e4m3fn:
+        return p.numel()
+    return p.numel() * (4 if name.rsplit(".", 1)[-1] in (*FP32_PARAMS, "weight_scale") else 2)
 
 
-# dense (non-expert) weight format -> bytes of one parameter (name, elements); an FP8-block format would add
-# FP8 projections with one scale per 128 x 128 block here
-DENSE_FORMATS: dict[str, Callable[[str, int], int]] = {"bf16": _bf16}
 # routed experts' format -> bytes per element of its module's parameters (MXFP4: uint8 codes two a byte, and scales)
 EXPERT_ELEMENT_BYTES = {"bf16": 2, "mxfp4": 1}
 
@@ -66,13 +67,13 @@ def weight_bytes(cfg: K3Config, dense: str = "bf16") -> tuple[int, int]:
     if dense not in DENSE_FORMATS:
         raise ValueError(f"dense format {dense!r}: valid {sorted(DENSE_FORMATS)}")
     with torch.device("meta"):
-        model = KimiK3ForCausalLM(cfg)
+        model = KimiK3ForCausalLM(cfg.replace(dense_format=dense))
     non_expert = experts = 0
     for name, p in model.named_parameters():
         if ".experts." in name:
             experts += p.numel() * EXPERT_ELEMENT_BYTES[cfg.experts_format]
         else:
-            non_expert += DENSE_FORMATS[dense](name, p.numel())
+            non_expert += _dense_bytes(name, p)
     return non_expert, experts
 
 

@@ -65,7 +65,12 @@ def test_memory_command(capsys):
     out = capsys.readouterr().out
     assert "93 layers (69 KDA, 24 MLA, 0 DSA), 92 MoE layers x 896 routed experts" in out
     assert "| 16 | mxfp4 | bf16 | 113.5 | 90.4 | 203.9 | -38.9 | does not fit |" in out
-    assert "fits: DEP32 mxfp4 experts + bf16 dense (" in out
+    assert "fits: " in out and "DEP32 mxfp4 experts + bf16 dense (" in out
     assert main(["memory", "--dep", "12"]) == 2 and "DEP 12 does not divide the 896" in capsys.readouterr().err
+    # FP8 block-scaled dense projections (issue #28's format): on an H200, only DEP32 with MXFP4 experts fits
+    assert main(["memory", "--dep", "16", "32", "--experts", "mxfp4", "--dense", "fp8_block"]) == 0
+    out = capsys.readouterr().out
+    assert "| 32 | mxfp4 | fp8_block | 60.7 | 45.2 | 105.9 |" in out and "| 16 | mxfp4 | fp8_block | 60.7 | 90.4 |" in out
+    assert "fits: DEP32 mxfp4 experts + fp8_block dense (" in out and "DEP16" not in out.split("fits:")[1]
     with pytest.raises(SystemExit):
-        main(["memory", "--dense", "fp8_block"])  # not there yet
+        main(["memory", "--dense", "fp4"])

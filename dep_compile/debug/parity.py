@@ -29,6 +29,7 @@ import torch
 
 from ..stock import KimiCache, RequestBatch
 from ..stock.cache import LayerCache
+from ..stock.fp8_block import dequantize_linears
 
 LOGIT_REL = 2e-2  # the floor of the one-step logits bound (relative Frobenius): BF16 rounding + summation order
 BOUND_FACTOR = 1.5  # kimi_dep may be this much worse than the worse of eager BF16 and plain Inductor
@@ -77,9 +78,9 @@ def cpu_copy(cache: KimiCache) -> KimiCache:
 
 def fp32_truth(model, start: KimiCache, **steps) -> tuple[torch.Tensor, list[dict]]:
     """The stock model upcast to FP32, eager on the CPU, from a CPU copy of ``start`` (caches keep their
-    dtypes): every step's logits [steps * rows, vocab] FP32, and its caches before each step
-    (``run_steps`` takes ``steps``)."""
-    ref = copy.deepcopy(model).float().cpu()
+    dtypes; FP8 block-scaled projections become their dequantized weights): every step's logits
+    [steps * rows, vocab] FP32, and its caches before each step (``run_steps`` takes ``steps``)."""
+    ref = dequantize_linears(copy.deepcopy(model)).float().cpu()
     cache = cpu_copy(start)
     states: list[dict] = []
     logits = torch.cat(run_steps(ref, None, cache, before_step=lambda i: states.append(cache.snapshot()), **steps))

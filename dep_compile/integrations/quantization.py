@@ -9,6 +9,7 @@ compressed-tensors 0.17 (the version vLLM 0.32 pins) so the bytes are its own, a
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from dep_compile.stock.mxfp4 import GROUP
 
@@ -108,5 +109,25 @@ def compress_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (out["weight_packed"].reshape(*w.shape[:-1], -1), out["weight_scale"].reshape(*w.shape[:-1], -1))
 
 
+def compress_fp8_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """compressed-tensors' ``FP8_BLOCK`` of a BF16 ``w [N, K]``: (float8_e4m3fn [N, K], FP32 scales
+    [ceil(N/128), ceil(K/128)]), one per 128 x 128 block (rows and inputs zero-padded to whole blocks)."""
+    try:
+        from compressed_tensors.compressors import FloatQuantizationCompressor
+        from compressed_tensors.quantization import preset_name_to_scheme
+        from compressed_tensors.quantization.utils import calculate_qparams
+    except ModuleNotFoundError as e:
+        raise MissingExtra(f"writing FP8 block weights needs compressed-tensors and psutil ({e.name} is missing): "
+                           "pip install 'dep-compile[mxfp4]'", name=e.name) from e
+    scheme = preset_name_to_scheme("FP8_BLOCK", ["Linear"])
+    n, k = w.shape
+    blocks = F.pad(w.float(), (0, -k % 128, 0, -n % 128)).unflatten(0, (-1, 128)).unflatten(2, (-1, 128))
+    blocks = blocks.transpose(1, 2).flatten(2)  # [N/128, K/128, 128 * 128]
+    scale, zero_point = calculate_qparams(blocks.amin(-1), blocks.amax(-1), scheme.weights)
+    out = FloatQuantizationCompressor.compress({"weight": w, "weight_scale": scale, "weight_zero_point": zero_point},
+                                               scheme)
+    return out["weight"], out["weight_scale"]
+
+
 __all__ = ["K3_QUANTIZATION_CONFIG", "FORMAT", "QUANT_METHOD", "SCHEME", "MissingExtra", "experts_format",
-           "compress_mxfp4"]
+           "compress_mxfp4", "compress_fp8_block"]

@@ -113,8 +113,9 @@ def pack_model_weights(model: nn.Module) -> list[str]:
                 groups.append([m.fused_qkv_a_g_proj.weight, *rest])
             if hasattr(m, "routed_expert_down_proj") and getattr(m, "shared_experts", None) is not None:
                 groups.append([m.shared_experts.gate_up_proj.weight, m.routed_expert_down_proj.weight])
-            for g in groups:
-                if all(p.dim() == 2 and p.shape[1] == g[0].shape[1] and p.dtype == g[0].dtype for p in g):
+            for g in groups:  # FP8 block-scaled groups stay apart: each module applies its own block scales
+                if g[0].dtype != torch.float8_e4m3fn and all(
+                        p.dim() == 2 and p.shape[1] == g[0].shape[1] and p.dtype == g[0].dtype for p in g):
                     pack_params(g)
                     packed.append(name)
     return packed

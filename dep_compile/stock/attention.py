@@ -7,7 +7,7 @@ from torch import nn
 
 from .cache import LayerCache, StepMeta
 from .config import K3Config
-from .layers import RMSNorm
+from .layers import RMSNorm, dense_linear
 
 
 class KimiDeltaAttention(nn.Module):
@@ -18,14 +18,15 @@ class KimiDeltaAttention(nn.Module):
         c = config
         H, D = c.kda_heads, c.kda_head_dim
         self.heads, self.head_dim, self.f_rank = H, D, c.kda_f_rank
-        self.in_proj_qkvgfab = nn.Linear(c.hidden_size, c.kda_in_rows, bias=False)
-        self.f_b_proj = nn.Linear(c.kda_f_rank, H * D, bias=False)
+        fmt = c.dense_format
+        self.in_proj_qkvgfab = dense_linear(fmt, c.hidden_size, c.kda_in_rows, [H * D] * 4 + [c.kda_f_rank, H])
+        self.f_b_proj = dense_linear(fmt, c.kda_f_rank, H * D)
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.empty(3 * H * D, 1, c.kda_conv_width))
         self.A_log = nn.Parameter(torch.empty(H, dtype=torch.float32))
         self.dt_bias = nn.Parameter(torch.empty(H * D, dtype=torch.float32))
         self.o_norm = RMSNorm(D, 1e-5)
-        self.o_proj = nn.Linear(H * D, c.hidden_size, bias=False)
+        self.o_proj = dense_linear(fmt, H * D, c.hidden_size)
         self.lower_bound = c.kda_lower_bound
 
     def forward(self, x: torch.Tensor, meta: StepMeta, cache: LayerCache) -> torch.Tensor:
@@ -49,12 +50,15 @@ class KimiMLAAttention(nn.Module):
         self.heads, self.nope, self.rope = c.mla_heads, c.qk_nope_dim, c.qk_rope_dim
         self.q_lora, self.kv_lora, self.gate_width = c.q_lora_rank, c.kv_lora_rank, c.mla_gate_width
         self.scale = c.softmax_scale
-        self.fused_qkv_a_g_proj = nn.Linear(c.hidden_size, c.mla_fused_rows, bias=False)
+        fmt = c.dense_format
+        self.fused_qkv_a_g_proj = dense_linear(fmt, c.hidden_size, c.mla_fused_rows,
+                                               [c.q_lora_rank, c.kv_lora_rank + c.qk_rope_dim, c.mla_gate_width])
         self.q_a_layernorm = RMSNorm(c.q_lora_rank, 1e-6)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, 1e-6)
-        self.q_b_proj = nn.Linear(c.q_lora_rank, c.mla_heads * c.qk_head_dim, bias=False)
+        self.q_b_proj = dense_linear(fmt, c.q_lora_rank, c.mla_heads * c.qk_head_dim)
+        # BF16 in every format: the attention ops read it as a matrix (vLLM's MLA dequantizes it at load too)
         self.kv_b_proj = nn.Linear(c.kv_lora_rank, c.mla_heads * (c.qk_nope_dim + c.v_head_dim), bias=False)
-        self.o_proj = nn.Linear(c.mla_heads * c.v_head_dim, c.hidden_size, bias=False)
+        self.o_proj = dense_linear(fmt, c.mla_heads * c.v_head_dim, c.hidden_size)
 
     def project(self, x: torch.Tensor):
         """x -> (normed q_a [T, q_lora], q [T, H, nope+rope], latent [T, kv_lora+rope], gate [T, H*v])."""
@@ -90,12 +94,14 @@ class Indexer(nn.Module):
         super().__init__()
         c = config
         self.heads, self.head_dim, self.topk, self.merged = c.index_heads, c.index_head_dim, c.index_topk, merged
-        self.wq_b = nn.Linear(c.q_lora_rank, c.index_heads * c.index_head_dim, bias=False)
+        fmt = c.dense_format
+        self.wq_b = dense_linear(fmt, c.q_lora_rank, c.index_heads * c.index_head_dim)
         if merged:
-            self.wk_weights_proj = nn.Linear(c.hidden_size, c.index_head_dim + c.index_heads, bias=False)
+            self.wk_weights_proj = dense_linear(fmt, c.hidden_size, c.index_head_dim + c.index_heads,
+                                                [c.index_head_dim, c.index_heads])
         else:
-            self.wk = nn.Linear(c.hidden_size, c.index_head_dim, bias=False)
-            self.weights_proj = nn.Linear(c.hidden_size, c.index_heads, bias=False)
+            self.wk = dense_linear(fmt, c.hidden_size, c.index_head_dim)
+            self.weights_proj = dense_linear(fmt, c.hidden_size, c.index_heads)
         self.k_norm = nn.LayerNorm(c.index_head_dim, eps=1e-6)
 
     def keys_and_weights(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

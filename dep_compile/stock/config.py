@@ -12,6 +12,9 @@ LATENT_CACHE_DTYPES = ("bfloat16", "float8_e4m3fn")
 # Routed experts' weight formats: BF16, or MXFP4 as K3 ships them (E2M1 codes two a byte, one E8M0
 # scale per 32 inputs; dep_compile/stock/mxfp4.py)
 EXPERTS_FORMATS = ("bf16", "mxfp4")
+# Dense projections' weight formats (attention, shared expert, latent down / up): BF16, or FP8 e4m3 with a
+# scale per 128 x 128 block, activations quantized per 128 inputs (dep_compile/stock/fp8_block.py)
+DENSE_FORMATS = ("bf16", "fp8_block")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,12 +68,17 @@ class K3Config:
     latent_cache_dtype: str = "bfloat16"
     # The routed experts' weights: "bf16", or "mxfp4" (K3's checkpoint format; the full presets' default)
     experts_format: str = "bf16"
+    # The dense projections' weights: "bf16", or "fp8_block" (the derived FP8 checkpoints' format); the router,
+    # norms, embedding, lm_head and MLA's kv_b stay BF16
+    dense_format: str = "bf16"
 
     def __post_init__(self):
         if self.latent_cache_dtype not in LATENT_CACHE_DTYPES:
             raise ValueError(f"latent_cache_dtype {self.latent_cache_dtype!r}: valid {LATENT_CACHE_DTYPES}")
         if self.experts_format not in EXPERTS_FORMATS:
             raise ValueError(f"experts_format {self.experts_format!r}: valid {EXPERTS_FORMATS}")
+        if self.dense_format not in DENSE_FORMATS:
+            raise ValueError(f"dense_format {self.dense_format!r}: valid {DENSE_FORMATS}")
 
     # ---- derived shapes -------------------------------------------------------------
     def layer_kind(self, layer: int) -> LayerKind:

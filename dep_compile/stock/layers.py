@@ -7,7 +7,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import K3Config
+from .fp8_block import Fp8BlockLinear
 from .reference.common import situ as reference_situ
+
+
+def dense_linear(fmt: str, in_features: int, out_features: int, segments: list[int] | None = None) -> nn.Module:
+    """A bias-free projection in the dense format ``fmt`` (``K3Config.dense_format``): ``nn.Linear`` for BF16,
+    ``Fp8BlockLinear`` for FP8 blocks (``segments``: the row counts of the projections packed in it)."""
+    if fmt == "fp8_block":
+        return Fp8BlockLinear(in_features, out_features, segments)
+    return nn.Linear(in_features, out_features, bias=False)
 
 
 class RMSNorm(nn.Module):
@@ -29,12 +38,12 @@ def situ(gate_up: torch.Tensor, beta: float, beta_lin: float) -> torch.Tensor:
 
 
 class SiTUMLP(nn.Module):
-    """gate_up_proj -> SiTU -> down_proj (the dense MLP and the MoE's shared expert)."""
+    """gate_up_proj -> SiTU -> down_proj (the dense MLP, BF16, and the MoE's shared expert, in ``fmt``)."""
 
-    def __init__(self, config: K3Config, hidden: int, intermediate: int):
+    def __init__(self, config: K3Config, hidden: int, intermediate: int, fmt: str = "bf16"):
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj = dense_linear(fmt, hidden, 2 * intermediate, [intermediate, intermediate])
+        self.down_proj = dense_linear(fmt, intermediate, hidden)
         self.beta, self.beta_lin = config.situ_beta, config.situ_beta_lin
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ from .cache import KimiCache, StepMeta, check_step
 from .config import K3Config
 from .layers import AttnResPoint, RMSNorm, SiTUMLP
 from .moe import KimiMoE
+from .fp8_block import FP8, random_fp8_block
 from .mxfp4 import random_mxfp4
 
 
@@ -98,8 +99,9 @@ FP32_PARAMS = ("A_log", "dt_bias", "e_score_correction_bias")  # parameter leave
 
 
 def init_weights(model: nn.Module, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
-    """Random weights at scales that keep activations O(1); BF16 except A_log, dt_bias, the router bias, and
-    MXFP4 experts' codes and scales (uint8: random codes, scales for the same RMS as BF16 experts)."""
+    """Random weights at scales that keep activations O(1); BF16 except A_log, dt_bias, the router bias,
+    MXFP4 experts' codes and scales (uint8: random codes, scales for the same RMS as BF16 experts), and FP8
+    block-scaled projections (random e4m3 codes and block scales, the same RMS)."""
     g = torch.Generator().manual_seed(seed)
     params = dict(model.named_parameters())
     with torch.no_grad():
@@ -109,7 +111,12 @@ def init_weights(model: nn.Module, seed: int = 0, dtype: torch.dtype = torch.bfl
                 packed, scale = random_mxfp4((*p.shape[:-1], 2 * p.shape[-1]), g, (2 * p.shape[-1]) ** -0.5)
                 p.data, params[name.replace("_packed", "_scale")].data = packed, scale
                 continue
-            if p.dtype == torch.uint8:  # a scale, drawn with its codes
+            if p.dtype == torch.uint8 or leaf == "weight_scale":  # a scale, drawn with its codes
+                continue
+            if p.dtype == FP8:  # an Fp8BlockLinear's weight, with its sibling weight_scale
+                module = model.get_submodule(name.rsplit(".", 1)[0])
+                codes, scale = random_fp8_block(*p.shape, module.segments, g, p.shape[1] ** -0.5)
+                p.data, module.weight_scale.data = codes, scale
                 continue
             if name.endswith("norm.weight") or name.endswith("layernorm.weight") or ".k_norm." in name:
                 val = 1.0 + 0.1 * torch.randn(p.shape, generator=g) if leaf == "weight" else 0.1 * torch.randn(p.shape, generator=g)

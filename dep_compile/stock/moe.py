@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from .config import K3Config
-from .layers import RMSNorm, Router, SiTUMLP
+from .layers import RMSNorm, Router, SiTUMLP, dense_linear
 from .mxfp4 import GROUP, Mxfp4Weight
 
 
@@ -80,11 +80,12 @@ class KimiMoE(nn.Module):
         super().__init__()
         c = config
         self.gate = Router(c)
-        self.routed_expert_down_proj = nn.Linear(c.hidden_size, c.moe_latent_size, bias=False)
+        self.routed_expert_down_proj = dense_linear(c.dense_format, c.hidden_size, c.moe_latent_size)
         self.experts = EXPERTS[c.experts_format](c, num_local, expert_start, ep_size)
         self.routed_expert_norm = RMSNorm(c.moe_latent_size, c.rms_eps)
-        self.routed_expert_up_proj = nn.Linear(c.moe_latent_size, c.hidden_size, bias=False)
-        self.shared_experts = SiTUMLP(c, c.hidden_size, c.shared_intermediate) if c.shared_intermediate else None
+        self.routed_expert_up_proj = dense_linear(c.dense_format, c.moe_latent_size, c.hidden_size)
+        self.shared_experts = SiTUMLP(c, c.hidden_size, c.shared_intermediate, c.dense_format) \
+            if c.shared_intermediate else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x)

@@ -10,6 +10,7 @@ An FP8 latent cache (``K3Config.latent_cache_dtype``) has its own ops, ``mla_dec
 ``sparse_mla_decode_fp8``: the BF16 ops' arguments plus ``kv_scale [NB, BS]`` FP32 (mutated), so the
 BF16 ops' schemas and graphs stay as they are. MXFP4 routed experts (``K3Config.experts_format``) have
 ``routed_experts_mxfp4``, whose weights are the packed codes and scales as K3's checkpoint holds them.
+FP8 block-scaled dense projections (``K3Config.dense_format``) call ``fp8_block_linear``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from .reference.dsa import dsa_indexer_ref, sparse_mla_decode_ref
 from .reference.kda import kda_core_ref
 from .reference.mla import mla_decode_ref
 from .grouped_experts import routed_experts_grouped
+from .fp8_block import check_weight, fp8_block_linear as fp8_block_linear_ref
 from .mxfp4 import Mxfp4Weight, check_mxfp4
 from .reference.moe import routed_experts_mxfp4_partial, routed_experts_partial
 
@@ -192,6 +194,25 @@ def routed_experts_mxfp4(
 @routed_experts_mxfp4.register_fake
 def _(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids, expert_start, ep_size, beta, beta_lin):
     return x.new_empty(x.shape[0], w2_packed.shape[1])
+
+
+@torch.library.custom_op("kimi_k3::fp8_block_linear", mutates_args=())
+def fp8_block_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, segments: list[int]) -> Tensor:
+    """x [T, K] BF16 @ an FP8 block-scaled weight^T -> [T, N] BF16 (W8A8: activations quantized per 128 inputs).
+
+    weight [N, K] float8_e4m3fn; weight_scale FP32, one per 128 x 128 block of each row segment (``segments``:
+    the row counts of the projections packed in it, in order). CPU and CUDA: the reference
+    (``stock/fp8_block.py``), in torch ops.
+    """
+    check_weight("fp8_block_linear", weight, weight_scale, segments)
+    if x.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"fp8_block_linear: x {tuple(x.shape)} is not [T, {weight.shape[1]}]")
+    return fp8_block_linear_ref(x, weight, weight_scale, segments)
+
+
+@fp8_block_linear.register_fake
+def _(x, weight, weight_scale, segments):
+    return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16)
 
 
 @torch.library.custom_op("kimi_k3::attn_res", mutates_args=("prefix", "bank"))
