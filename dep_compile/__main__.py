@@ -111,6 +111,9 @@ def main(argv=None) -> int:
     mk.add_argument("--experts", choices=("bf16", "mxfp4"), default=None,
                     help="routed experts' format: mxfp4 = as K3 ships them, compressed-tensors' MXFP4 of the BF16 "
                          "weights (needs the mxfp4 extra) (default: the preset's, bf16)")
+    mk.add_argument("--dense", choices=DENSE_FORMATS, default=None,
+                    help="dense projections' format: fp8_block = compressed-tensors' FP8_BLOCK of the BF16 weights, "
+                         "as the derived FP8 checkpoints store them (needs the mxfp4 extra) (default: bf16)")
     mk.add_argument("dir", help="output directory")
     mem = sub.add_parser("memory", help="bytes per GPU at DEP: weights every rank holds, its experts, caches")
     mem.add_argument("--preset", default="k3", help="k3 | k31 (or a small preset) (default: k3)")
@@ -129,7 +132,7 @@ def main(argv=None) -> int:
         from dep_compile.integrations.quantization import MissingExtra
 
         try:
-            print(make_checkpoint(args.preset, args.dir, args.seed, args.experts))
+            print(make_checkpoint(args.preset, args.dir, args.seed, args.experts, args.dense))
         except MissingExtra as e:
             print(f"{ap.prog} make-checkpoint: error: {e}", file=sys.stderr)
             return 2

@@ -191,7 +191,9 @@ def _group(qc):
 
 CONFIG_LIES = {
     "quant_method": (lambda qc: qc.update(quant_method="fp8"), r"quant_method is 'fp8'"),
-    "group format": (lambda qc: _group(qc).update(format="float-quantized"), r"group_0.format is 'float-quantized'"),
+    "group format": (lambda qc: _group(qc).update(format="int-quantized"), r"group_0.format is 'int-quantized'"),
+    "fp8 format, 4 bits": (lambda qc: _group(qc).update(format="float-quantized"),
+                           r"group_0.weights.num_bits is 4; FP8 block dense projections need 8"),
     "group_size": (lambda qc: _group(qc)["weights"].update(group_size=16), r"weights.group_size is 16; .* need 32"),
     "num_bits": (lambda qc: _group(qc)["weights"].update(num_bits=8), r"weights.num_bits is 8"),
     "float scales declared": (lambda qc: _group(qc)["weights"].update(scale_dtype="torch.bfloat16"),

@@ -190,3 +190,104 @@ def test_memory_counts_fp8_projections():
     mods = [m for m in model.modules() if isinstance(m, Fp8BlockLinear)]
     assert experts8 == experts
     assert fp8 == bf16 - sum(m.weight.numel() for m in mods) + 4 * sum(m.weight_scale.numel() for m in mods)
+
+
+# ---- checkpoints: make-checkpoint --dense fp8_block, the loader, and checkpoints that lie ------------------------
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory):
+    """k31-small with MXFP4 experts and FP8 block dense projections, as `make-checkpoint` writes it."""
+    pytest.importorskip("compressed_tensors", reason="the dev extra installs compressed-tensors")
+    pytest.importorskip("safetensors", reason="the dev extra installs safetensors")
+    from dep_compile.__main__ import main
+
+    d = tmp_path_factory.mktemp("fp8") / "k31"
+    assert main(["make-checkpoint", "--preset", "k31-small", "--experts", "mxfp4", "--dense", "fp8_block",
+                 str(d)]) == 0
+    return d
+
+
+def _tensors(d):
+    from safetensors.torch import load_file
+
+    return load_file(str(d / "model.safetensors"))
+
+
+def test_checkpoint_round_trip(fp8_checkpoint):
+    """Each FP8 part in the file is compressed-tensors' FP8_BLOCK of the BF16 model's part; the loader stacks
+    the parts' weights and block rows into the packed modules (kv_a's 48 rows keep their own block), and the
+    loaded model's logits stay near the BF16 model's."""
+    from dep_compile.integrations.checkpoint import checkpoint_tensors, config_from_hf, hf_config, load_stock_model
+    from dep_compile.integrations.quantization import compress_fp8_block
+
+    cfg = preset("k31-small")
+    bf16 = checkpoint_tensors(build_model(cfg, seed=0).state_dict(), cfg)
+    file = _tensors(fp8_checkpoint)
+    kv_a = "model.layers.3.self_attn.kv_a_proj_with_mqa"
+    want_w, want_s = compress_fp8_block(bf16[f"{kv_a}.weight"])
+    assert torch.equal(file[f"{kv_a}.weight"].view(torch.uint8), want_w.view(torch.uint8))
+    assert torch.equal(file[f"{kv_a}.weight_scale"], want_s)
+    assert file["model.layers.3.self_attn.kv_b_proj.weight"].dtype == torch.bfloat16
+    model = load_stock_model(fp8_checkpoint)
+    assert (model.config.experts_format, model.config.dense_format) == ("mxfp4", "fp8_block")
+    fused = model.model.layers[3].self_attn.fused_qkv_a_g_proj
+    q_a = cfg.q_lora_rank
+    assert torch.equal(fused.weight[q_a:q_a + cfg.latent_dim].view(torch.uint8), want_w.view(torch.uint8))
+    assert torch.equal(fused.weight_scale[blocks_of(q_a):blocks_of(q_a) + 1], want_s)
+    for e, d in (("mxfp4", "fp8_block"), ("bf16", "fp8_block")):
+        text = hf_config(cfg.replace(experts_format=e, dense_format=d))["text_config"]
+        got = config_from_hf(text)
+        assert (got.experts_format, got.dense_format) == (e, d)
+    ids = torch.randint(0, cfg.vocab_size, (4,), generator=torch.Generator().manual_seed(9))
+    ref, out = build_model(cfg, seed=0).model.embed_tokens(ids), model.model.embed_tokens(ids)
+    assert torch.equal(ref, out)  # the embedding stays BF16
+
+
+def blocks_of(rows: int) -> int:
+    return -(-rows // BLOCK)
+
+
+def _lie(d, tmp_path, edit):
+    """A copy of checkpoint ``d`` whose tensors ``edit`` changed."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    out = tmp_path / "lie"
+    shutil.copytree(d, out)
+    tensors = _tensors(d)
+    edit(tensors)
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+Q_B = "model.layers.3.self_attn.q_b_proj"
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda t: t.update({f"{Q_B}.weight": t[f"{Q_B}.weight"].float().bfloat16()}),
+     f"{Q_B}.weight is torch.bfloat16; the quantization_config declares FP8 block dense projections"),
+    (lambda t: t.update({f"{Q_B}.weight_scale": torch.ones(1, 2)}),
+     f"{Q_B}.weight_scale: shape \\(1, 2\\), expected \\(2, 1\\)"),  # scales transposed
+    (lambda t: t.update({f"{Q_B}.weight_scale": t[f"{Q_B}.weight_scale"].bfloat16()}),
+     f"{Q_B}.weight_scale is torch.bfloat16; FP8 block scales are float32"),
+    (lambda t: t.pop(f"{Q_B}.weight_scale"), f"lacks 1 tensors: {Q_B}.weight_scale"),
+])
+def test_checkpoints_that_lie_are_refused(fp8_checkpoint, tmp_path, edit, match):
+    from dep_compile.integrations.checkpoint import load_stock_model
+
+    with pytest.raises(ValueError, match=match):
+        load_stock_model(_lie(fp8_checkpoint, tmp_path, edit))
+
+
+def test_deepseek_scale_inv_name_is_read(fp8_checkpoint, tmp_path):
+    """DeepSeek's FP8 checkpoints name the block scales ``weight_scale_inv``: the same tensor, loaded as such."""
+    from dep_compile.integrations.checkpoint import load_stock_model
+
+    def rename(t):
+        for n in [n for n in t if n.endswith(".weight_scale") and t[n].dtype == torch.float32]:
+            t[n + "_inv"] = t.pop(n)
+
+    a, b = load_stock_model(fp8_checkpoint), load_stock_model(_lie(fp8_checkpoint, tmp_path, rename))
+    assert all(torch.equal(p.view(torch.uint8) if p.dtype == FP8 else p, q.view(torch.uint8) if q.dtype == FP8 else q)
+               for p, q in zip(a.state_dict().values(), b.state_dict().values()))

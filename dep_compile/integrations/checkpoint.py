@@ -14,11 +14,14 @@ Format (read off vLLM 0.32's K3 config class and K3 weight loader; K3.1's is not
 - MXFP4 routed experts as K3 ships them: ``experts.<e>.w1.weight_packed`` (uint8 [N, K/2]) and
   ``.weight_scale`` (uint8 [N, K/32]) instead of ``.weight``, declared by ``text_config.quantization_config``
   (``quantization.K3_QUANTIZATION_CONFIG``; docs/mxfp4.md).
+- FP8 block dense projections (``K3Config.dense_format``, the derived FP8 checkpoints): each unpacked part's
+  ``.weight`` float8_e4m3fn and ``.weight_scale`` FP32, one per 128 x 128 block of that part (DeepSeek's
+  ``.weight_scale_inv`` is read as the same tensor), declared by an FP8_BLOCK group of the ``quantization_config``
+  (``quantization.FP8_BLOCK_GROUP``). A packed parameter's scales stack its parts' block rows.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 from collections.abc import Iterable
@@ -26,8 +29,10 @@ from pathlib import Path
 
 import torch
 
-from dep_compile.integrations.quantization import K3_QUANTIZATION_CONFIG, compress_mxfp4, experts_format
+from dep_compile.integrations.quantization import (compress_fp8_block, compress_mxfp4, quantization_config,
+                                                   weight_formats)
 from dep_compile.stock.config import K3Config, preset
+from dep_compile.stock.fp8_block import FP8, blocks
 
 ARCHITECTURE = "DepKimiK3ForCausalLM"  # the dep_compile model's name in vLLM's registry
 MODEL_TYPE = "kimi_k3"
@@ -65,15 +70,16 @@ def hf_config(cfg: K3Config) -> dict:
     text["linear_attn_config"].update(
         use_full_rank_gate=True, kda_layers=list(cfg.kda_layers),
         full_attn_layers=[l + 1 for l in range(cfg.num_layers) if l + 1 not in cfg.kda_layers])
-    if cfg.experts_format == "mxfp4":
-        text["quantization_config"] = copy.deepcopy(K3_QUANTIZATION_CONFIG)
+    qc = quantization_config(cfg.experts_format, cfg.dense_format)
+    if qc is not None:
+        text["quantization_config"] = qc
     return {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE, "torch_dtype": "bfloat16",
             "text_config": text, "dep_compile_preset": cfg.name}
 
 
 def config_from_hf(text: dict, name: str = "checkpoint", quantization_config: dict | None = None) -> K3Config:
-    """The K3Config a checkpoint's ``text_config`` (a dict) describes, its experts' format read off the
-    ``quantization_config`` in ``text_config`` (as K3 ships it) or the top-level one passed here."""
+    """The K3Config a checkpoint's ``text_config`` (a dict) describes, its experts' and dense projections' formats
+    read off the ``quantization_config`` in ``text_config`` (as K3 ships it) or the top-level one passed here."""
     qc = text.get("quantization_config")
     if qc is not None and quantization_config is not None and qc != quantization_config:
         raise ValueError("text_config.quantization_config and the top-level quantization_config differ")
@@ -83,9 +89,18 @@ def config_from_hf(text: dict, name: str = "checkpoint", quantization_config: di
     la = text["linear_attn_config"]
     fields = {f: text[k] for k, f in _TEXT.items()}
     fields.update({f: la[k] for k, f in _KDA.items()})
+    experts, dense = weight_formats(qc if qc is not None else quantization_config)
     return K3Config(name=name, kda_layers=tuple(la["kda_layers"]), dsa_layers=tuple(l - 1 for l in text["dsa_layers"]),
                     shared_intermediate=text["num_shared_experts"] * text["moe_intermediate_size"],
-                    experts_format=experts_format(qc if qc is not None else quantization_config), **fields)
+                    experts_format=experts, dense_format=dense, **fields)
+
+
+def _part_sizes(parts: list[tuple[str, int | None]], leaf: str, rows: int) -> list[int]:
+    """Rows of each part of a packed ``leaf`` tensor of ``rows`` rows: a weight's rows (None: half), or an FP8
+    ``weight_scale``'s block rows (each part has its own 128-row blocks)."""
+    if leaf == "weight_scale":
+        return [blocks(n) if n else rows // 2 for _, n in parts]
+    return [n or rows // 2 for _, n in parts]
 
 
 def _shards(cfg: K3Config) -> dict[str, list[tuple[str, int | None]]]:
@@ -107,11 +122,10 @@ def checkpoint_tensors(state_dict: dict[str, torch.Tensor], cfg: K3Config) -> di
     out = {}
     for name, t in state_dict.items():
         parent, module, leaf = ([""] + name.rsplit(".", 2))[-3:]
-        if module in shards and leaf == "weight":
+        if module in shards and leaf in ("weight", "weight_scale"):
             start = 0
-            for part, rows in shards[module]:
-                rows = rows or t.shape[0] // 2
-                out[f"{parent}.{part}.weight"] = t[start:start + rows].contiguous()
+            for (part, _), rows in zip(shards[module], _part_sizes(shards[module], leaf, t.shape[0])):
+                out[f"{parent}.{part}.{leaf}"] = t[start:start + rows].contiguous()
                 start += rows
         elif module == "experts":
             I = cfg.moe_intermediate
@@ -151,7 +165,7 @@ def load_target(name: str, cfg: K3Config, params: dict[str, torch.Tensor]) -> tu
         if part not in names or pname not in params:
             continue
         p = params[pname]
-        sizes = [rows or p.shape[0] // 2 for _, rows in parts]
+        sizes = _part_sizes(parts, leaf, p.shape[0])
         i = names.index(part)
         return pname, p[sum(sizes[:i]):sum(sizes[:i + 1])]
     return None
@@ -168,6 +182,11 @@ def _unknown(name: str, cfg: K3Config) -> str:
 
 
 def _check_dtype(name: str, t: torch.Tensor, want: torch.dtype) -> None:
+    if want == FP8 and t.dtype != FP8:
+        raise ValueError(f"checkpoint tensor {name} is {t.dtype}; the quantization_config declares FP8 block "
+                         "dense projections (float8_e4m3fn)")
+    if want == torch.float32 and name.endswith(".weight_scale") and t.dtype != torch.float32:
+        raise ValueError(f"checkpoint tensor {name} is {t.dtype}; FP8 block scales are float32")
     if want == torch.uint8 and t.dtype != torch.uint8:
         what = "E8M0 scales" if name.endswith("weight_scale") else "E2M1 codes, two a byte"
         raise ValueError(f"checkpoint tensor {name} is {t.dtype}; the quantization_config declares {what} (uint8)")
@@ -186,6 +205,8 @@ def load_checkpoint(params: dict[str, torch.Tensor], cfg: K3Config,
     expected = {n: (t.shape, t.dtype) for n, t in checkpoint_tensors(meta, cfg).items()}
     seen, loaded = set(), set()
     for name, t in tensors:
+        if name.endswith(".weight_scale_inv") and cfg.dense_format == "fp8_block":  # DeepSeek's name for it
+            name = name.removesuffix("_inv")
         if name not in expected:
             raise ValueError(_unknown(name, cfg))
         shape, dtype = expected[name]
@@ -229,21 +250,43 @@ def quantize_experts(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     return out
 
 
-def make_checkpoint(preset_name: str, directory: str | Path, seed: int = 0, experts: str | None = None) -> Path:
+def quantize_dense(tensors: dict[str, torch.Tensor], cfg: K3Config) -> dict[str, torch.Tensor]:
+    """Checkpoint ``tensors`` (BF16 dense parts) with each part ``cfg``'s FP8 model holds in FP8 replaced by
+    compressed-tensors' FP8_BLOCK of it (``.weight`` float8_e4m3fn, ``.weight_scale``), part by part."""
+    from dep_compile.stock.model import KimiK3ForCausalLM
+
+    with torch.device("meta"):
+        fp8 = KimiK3ForCausalLM(cfg).state_dict()
+    out = dict(tensors)
+    for name, t in checkpoint_tensors(fp8, cfg).items():
+        if name.endswith(".weight_scale") and t.dtype == torch.float32:  # FP8 blocks (MXFP4 scales are uint8)
+            weight = name.removesuffix("_scale")
+            out[weight], out[name] = compress_fp8_block(tensors[weight])
+    return out
+
+
+def make_checkpoint(preset_name: str, directory: str | Path, seed: int = 0, experts: str | None = None,
+                    dense: str | None = None) -> Path:
     """Write ``preset_name``'s stock decoder with random BF16 weights (``build_model(cfg, seed)``) to ``directory``;
     ``experts="mxfp4"`` stores its routed experts as K3 does (compressed-tensors' MXFP4 of those BF16 weights;
-    default: the preset's ``experts_format``)."""
+    default: the preset's ``experts_format``), ``dense="fp8_block"`` its dense projections as the derived FP8
+    checkpoints do (compressed-tensors' FP8_BLOCK of each BF16 part)."""
     from safetensors.torch import save_file
 
     from dep_compile.stock import build_model
 
-    cfg = preset(preset_name, **({"experts_format": experts} if experts else {}))
-    state = build_model(cfg.replace(experts_format="bf16"), seed=seed).state_dict()
+    cfg = preset(preset_name, **({"experts_format": experts} if experts else {}),
+                 **({"dense_format": dense} if dense else {}))
+    bf16 = cfg.replace(experts_format="bf16", dense_format="bf16")
+    state = build_model(bf16, seed=seed).state_dict()
     if cfg.experts_format == "mxfp4":
         state = quantize_experts(state)
+    tensors = checkpoint_tensors(state, bf16)
+    if cfg.dense_format == "fp8_block":
+        tensors = quantize_dense(tensors, cfg)
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    save_file(checkpoint_tensors(state, cfg), str(d / "model.safetensors"), metadata={"format": "pt"})
+    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
     (d / "config.json").write_text(json.dumps(hf_config(cfg), indent=1))
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS_ID, "do_sample": False}))
     write_tokenizer(d, cfg.vocab_size)
@@ -266,4 +309,4 @@ def load_stock_model(directory: str | Path):
 
 
 __all__ = ["ARCHITECTURE", "MODEL_TYPE", "hf_config", "config_from_hf", "checkpoint_tensors", "load_target",
-           "load_checkpoint", "quantize_experts", "make_checkpoint", "load_stock_model"]
+           "load_checkpoint", "quantize_experts", "quantize_dense", "make_checkpoint", "load_stock_model"]

@@ -1,12 +1,17 @@
-"""K3's ``quantization_config``: what it must say for MXFP4 routed experts, and compressed-tensors' MXFP4 to write them.
+"""K3's ``quantization_config``: what it must say for MXFP4 routed experts and FP8 block dense projections, and
+compressed-tensors' compressors to write them.
 
 Kimi K3's ``config.json`` declares its routed experts as compressed-tensors ``mxfp4-pack-quantized``
-(``text_config.quantization_config``; docs/mxfp4.md gives the sources). Reading needs no
-compressed-tensors: :func:`experts_format` checks the declaration by hand. Writing calls
+(``text_config.quantization_config``; docs/mxfp4.md gives the sources). The derived FP8 checkpoints add the dense
+projections as ``float-quantized`` FP8 with 128 x 128 block scales and dynamic per-128 activation groups
+(compressed-tensors' ``FP8_BLOCK`` scheme; the config's top-level format is then ``mixed-precision``). Reading
+needs no compressed-tensors: :func:`weight_formats` checks the declaration by hand. Writing calls
 compressed-tensors 0.17 (the version vLLM 0.32 pins) so the bytes are its own, and imports it lazily.
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +19,8 @@ import torch.nn.functional as F
 from dep_compile.stock.mxfp4 import GROUP
 
 FORMAT = "mxfp4-pack-quantized"
+FP8_FORMAT = "float-quantized"  # compressed-tensors' format of FP8 weights (FP8_BLOCK among them)
+MIXED_FORMAT = "mixed-precision"  # the top-level format of a config whose groups differ
 QUANT_METHOD = "compressed-tensors"
 SCHEME = "MXFP4A16"  # weights-only MXFP4; the "MXFP4" preset also quantizes activations (W4A4)
 
@@ -41,10 +48,50 @@ K3_QUANTIZATION_CONFIG = {
     "quantization_status": "compressed",
 }
 
-# weights arguments that change what the stored bytes mean: required values; then those that may be absent
+# The dense projections' group in an FP8-dense checkpoint, as compressed-tensors' FP8_BLOCK scheme writes it
+FP8_BLOCK_GROUP = {
+    "format": FP8_FORMAT,
+    "input_activations": {
+        "actorder": None, "block_structure": None, "dynamic": True, "group_size": 128, "num_bits": 8,
+        "observer": None, "observer_kwargs": {}, "scale_dtype": None, "strategy": "group", "symmetric": True,
+        "type": "float", "zp_dtype": None,
+    },
+    "output_activations": None,
+    # every projection but MLA's kv_b, the shared experts, the latent down / up (K3Config.dense_format)
+    "targets": ["re:.*self_attn\\.(?!kv_b_proj).*_proj$", "re:.*self_attn\\.indexer\\.(wq_b|wk|weights_proj)$",
+                "re:.*shared_experts\\.(gate|up|down)_proj$", "re:.*routed_expert_(down|up)_proj$"],
+    "weights": {
+        "actorder": None, "block_structure": [128, 128], "dynamic": False, "group_size": None, "num_bits": 8,
+        "observer": "memoryless_minmax", "observer_kwargs": {}, "scale_dtype": None, "strategy": "block",
+        "symmetric": True, "type": "float", "zp_dtype": None,
+    },
+}
+
+# arguments that change what the stored bytes mean, per group format: required values; then those that may be absent
 _WEIGHTS = {"num_bits": 4, "type": "float", "strategy": "group", "group_size": GROUP, "symmetric": True,
             "dynamic": False}
 _WEIGHTS_IF_SET = {"scale_dtype": "torch.uint8", "actorder": None, "block_structure": None, "zp_dtype": None}
+_FP8_WEIGHTS = {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128],
+                "symmetric": True, "dynamic": False}
+_FP8_INPUTS = {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 128, "symmetric": True,
+               "dynamic": True}
+
+
+def quantization_config(experts: str, dense: str) -> dict | None:
+    """The ``quantization_config`` of a checkpoint with these formats (None when both are BF16)."""
+    if experts == "bf16" and dense == "bf16":
+        return None
+    qc = copy.deepcopy(K3_QUANTIZATION_CONFIG)
+    if dense == "fp8_block":
+        qc["config_groups"]["group_1"] = copy.deepcopy(FP8_BLOCK_GROUP)
+        qc["format"] = MIXED_FORMAT
+        qc["ignore"] = [i for i in qc["ignore"] if i not in ("re:.*self_attn.*", "re:.*shared_experts.*")]
+        if experts == "mxfp4":
+            qc["config_groups"]["group_0"]["targets"] = ["re:.*experts\\.\\d+\\.w[123]$"]
+        else:
+            del qc["config_groups"]["group_0"]
+            qc["format"] = FP8_FORMAT
+    return qc
 
 
 class MissingExtra(ImportError):
@@ -55,33 +102,65 @@ def _differs(where: str, got, want) -> ValueError:
     return ValueError(f"quantization_config.{where} is {got!r}; K3's MXFP4 experts need {want!r} (docs/mxfp4.md)")
 
 
-def experts_format(qc: dict | None) -> str:
-    """The ``K3Config.experts_format`` a ``quantization_config`` declares ("bf16" when None); ValueError for
-    anything but K3's MXFP4 (weights-only ``mxfp4-pack-quantized``, E8M0 scales per 32 inputs)."""
+def _fp8_differs(where: str, got, want) -> ValueError:
+    return ValueError(f"quantization_config.{where} is {got!r}; FP8 block dense projections need {want!r} "
+                      "(compressed-tensors' FP8_BLOCK: 128 x 128 weight blocks, dynamic activation groups of 128)")
+
+
+def _check_args(where: str, args: dict | None, required: dict, if_set: dict, differs) -> None:
+    """``differs(...)`` raised unless ``args`` has every ``required`` value and, where set, the ``if_set`` ones."""
+    args = args or {}
+    for key, want in required.items():
+        if args.get(key) != want:
+            raise differs(f"{where}.{key}", args.get(key), want)
+    for key, want in if_set.items():
+        if args.get(key, want) != want:
+            raise differs(f"{where}.{key}", args[key], want)
+
+
+def weight_formats(qc: dict | None) -> tuple[str, str]:
+    """(``K3Config.experts_format``, ``K3Config.dense_format``) a ``quantization_config`` declares (both "bf16" when
+    None); ValueError for anything but K3's MXFP4 experts (weights-only ``mxfp4-pack-quantized``, E8M0 scales per
+    32 inputs) and FP8 block dense projections (``float-quantized``, 128 x 128 weight blocks, dynamic activation
+    groups of 128), each at most once."""
     if qc is None:
-        return "bf16"
-    for key, want in (("quant_method", QUANT_METHOD), ("format", FORMAT), ("quantization_status", "compressed")):
+        return "bf16", "bf16"
+    for key, want in (("quant_method", QUANT_METHOD), ("quantization_status", "compressed")):
         if qc.get(key) != want:
             raise _differs(key, qc.get(key), want)
+    if qc.get("format") not in (FORMAT, FP8_FORMAT, MIXED_FORMAT):
+        raise _differs("format", qc.get("format"), FORMAT)
     if qc.get("kv_cache_scheme") is not None:
         raise _differs("kv_cache_scheme", qc["kv_cache_scheme"], None)
     groups = qc.get("config_groups")
     if not groups:
         raise ValueError("quantization_config has no config_groups: it declares no weight format")
+    experts = dense = "bf16"
     for name, group in groups.items():
-        if group.get("format", FORMAT) != FORMAT:
-            raise _differs(f"config_groups.{name}.format", group["format"], FORMAT)
-        for key in ("input_activations", "output_activations"):  # weights-only: the experts take BF16 activations
-            if group.get(key) is not None:
-                raise _differs(f"config_groups.{name}.{key}", group[key], None)
-        weights = group.get("weights") or {}
-        for key, want in _WEIGHTS.items():
-            if weights.get(key) != want:
-                raise _differs(f"config_groups.{name}.weights.{key}", weights.get(key), want)
-        for key, want in _WEIGHTS_IF_SET.items():
-            if weights.get(key, want) != want:
-                raise _differs(f"config_groups.{name}.weights.{key}", weights[key], want)
-    return "mxfp4"
+        fmt = group.get("format", qc["format"])
+        if fmt == FORMAT and experts == "bf16":
+            for key in ("input_activations", "output_activations"):  # weights-only: the experts take BF16 inputs
+                if group.get(key) is not None:
+                    raise _differs(f"config_groups.{name}.{key}", group[key], None)
+            _check_args(f"config_groups.{name}.weights", group.get("weights"), _WEIGHTS, _WEIGHTS_IF_SET, _differs)
+            experts = "mxfp4"
+        elif fmt == FP8_FORMAT and dense == "bf16":
+            _check_args(f"config_groups.{name}.weights", group.get("weights"), _FP8_WEIGHTS, {}, _fp8_differs)
+            _check_args(f"config_groups.{name}.input_activations", group.get("input_activations"), _FP8_INPUTS, {},
+                        _fp8_differs)
+            if group.get("output_activations") is not None:
+                raise _fp8_differs(f"config_groups.{name}.output_activations", group["output_activations"], None)
+            dense = "fp8_block"
+        else:
+            raise ValueError(f"quantization_config.config_groups.{name}.format is {fmt!r}: expected one "
+                             f"{FORMAT!r} group (the routed experts) and at most one {FP8_FORMAT!r} group (the dense "
+                             "projections)")
+    return experts, dense
+
+
+def experts_format(qc: dict | None) -> str:
+    """The ``K3Config.experts_format`` a ``quantization_config`` declares (``weight_formats``' first)."""
+    return weight_formats(qc)[0]
 
 
 def _compressed_tensors():
@@ -126,8 +205,9 @@ def compress_fp8_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale, zero_point = calculate_qparams(blocks.amin(-1), blocks.amax(-1), scheme.weights)
     out = FloatQuantizationCompressor.compress({"weight": w, "weight_scale": scale, "weight_zero_point": zero_point},
                                                scheme)
-    return out["weight"], out["weight_scale"]
+    return out["weight"].contiguous(), out["weight_scale"].contiguous()
 
 
-__all__ = ["K3_QUANTIZATION_CONFIG", "FORMAT", "QUANT_METHOD", "SCHEME", "MissingExtra", "experts_format",
-           "compress_mxfp4", "compress_fp8_block"]
+__all__ = ["K3_QUANTIZATION_CONFIG", "FP8_BLOCK_GROUP", "FORMAT", "FP8_FORMAT", "MIXED_FORMAT", "QUANT_METHOD",
+           "SCHEME", "MissingExtra", "weight_formats", "experts_format", "quantization_config", "compress_mxfp4",
+           "compress_fp8_block"]
