@@ -2,10 +2,12 @@
 
     python examples/compile_k31.py [--preset k31-small] [--steps 8] [--batch 4] [--q 1]
                                    [--inductor] [--tables auto|cublas|measured] [--device cpu|cuda]
-                                   [--experts bf16|mxfp4 | --checkpoint DIR]
+                                   [--experts bf16|mxfp4 | --checkpoint DIR] [--dense bf16|fp8_block]
 
-``--experts mxfp4`` builds the routed experts as K3 ships them (MXFP4, random codes); ``--checkpoint DIR``
-loads a checkpoint in K3's format (``python -m dep_compile make-checkpoint``) instead of random weights.
+``--experts mxfp4`` builds the routed experts as K3 ships them (MXFP4, random codes); ``--dense fp8_block`` the
+dense projections in FP8 with 128 x 128 block scales (docs/fp8_dense.md: kimi_dep leaves those layers stock for
+now, and says so); ``--checkpoint DIR`` loads a checkpoint in K3's format (``python -m dep_compile
+make-checkpoint``) instead of random weights.
 
 Two checks, on every device:
 
@@ -55,7 +57,11 @@ def main() -> None:
     weights.add_argument("--experts", choices=["bf16", "mxfp4"], default=None,
                          help="routed experts' format (default: the preset's)")
     weights.add_argument("--checkpoint", default=None, help="load this checkpoint (its config sets the model)")
+    ap.add_argument("--dense", choices=["bf16", "fp8_block"], default=None,
+                    help="dense projections' format (default: bf16; fp8_block layers stay stock for now)")
     args = ap.parse_args()
+    if args.checkpoint and args.dense:
+        ap.error("--dense: the checkpoint's config sets the format")
     t_start = time.perf_counter()
 
     torch.manual_seed(0)
@@ -63,7 +69,8 @@ def main() -> None:
         model = load_stock_model(args.checkpoint).to(args.device)
         cfg = model.config
     else:
-        cfg = preset(args.preset, **({"experts_format": args.experts} if args.experts else {}))
+        cfg = preset(args.preset, **({"experts_format": args.experts} if args.experts else {}),
+                     **({"dense_format": args.dense} if args.dense else {}))
         model = build_model(cfg, seed=0, device=args.device)
     cache = KimiCache.allocate(cfg, num_slots=2 * args.batch, num_blocks=16 * args.batch, block_size=8,
                                device=args.device)
