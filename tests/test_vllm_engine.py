@@ -25,7 +25,8 @@ between 1 and 32 rows), while these random tiny models amplify an ulp a great de
 embedding column moves the small K3.1 model's logits by 26 %; FP32 against FP64 stays within 3e-4). What
 is asserted is what a cache or layout bug breaks: every prompt's first token (after a prefill in a padded
 group) is stock's within ``FIRST_TOL`` in log-probability; at least ``MIN_AGREE`` of all tokens are
-stock's argmax on the same history; the median log-probability error is below ``MEDIAN_TOL``.
+stock's argmax on the same history; the median log-probability error is below ``MEDIAN_TOL`` and every
+step's below ``MAX_TOL``.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ MAX_TOKENS = 16
 FIRST_TOL = 0.25  # measured up to 0.11 (k3-small, budget 8: a 12-token prompt prefilled as 5 + 7 padded tokens)
 MIN_AGREE = 0.75  # measured 0.83-0.97
 MEDIAN_TOL = 0.05  # measured 0.004-0.021
+MAX_TOL = 1.5  # measured up to 0.67 (mixed-small); a prefill group committing its padding into the KDA state: 3.7
 TIE = 0.05  # log-probability margin of a near-tie between the two engines (measured differences <= 0.008)
 ENV = dict(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
            TORCHINDUCTOR_FORCE_DISABLE_CACHES="1", VLLM_DISABLE_COMPILE_CACHE="1",
@@ -111,6 +113,7 @@ def check_against_stock(model, res: dict, ref: list[list[int]]) -> str:
     median = sorted(errors)[len(errors) // 2]
     assert agree >= MIN_AGREE * n, f"only {agree} of {n} tokens are stock's argmax on the same history"
     assert median < MEDIAN_TOL, f"median log-probability error {median:.3g}"
+    assert max(errors) < MAX_TOL, f"a step's log-probability is {max(errors):.3g} off stock's on the same history"
     return (f"{agree}/{n} tokens stock's argmax on the same history, {equal}/{n} as stock's free-running greedy; "
             f"logprob error median {median:.1e}, max {max(errors):.2f}")
 
