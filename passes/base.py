@@ -14,7 +14,6 @@ from dep_compile.config import DepOptions, OptionError
 from dep_compile.debug.report import LayerMatch
 from dep_compile.ops.packing import pack_params
 from dep_compile.ops.registry import register
-from dep_compile.ops.shapes import size_hint
 
 from . import validate
 from .calls import (AF_V2, NoMatch, base_outputs, is_call, is_functionalized, layer_index, module_path, op_name,
@@ -326,10 +325,17 @@ def check_q_len(q_len: Any, max_q: int, node: Node) -> None:
 
 def probe_step(rng: ProbeRandom, x: Node, q_len: Any) -> tuple[dict, int, int]:
     """The probe's step: a random layer input ``x`` [T, ...] read as B requests of q tokens (``q_len`` an
-    int, or a SymInt node, given its hint): ({node: probe value}, B, q)."""
+    int, or a SymInt node; symbolic sizes at the probe's, ``ProbeRandom.size``, or at their hints where a
+    shrunk T would not be whole requests): ({node: probe value}, B, q)."""
     xv = val(x)
-    tokens = size_hint(xv.shape[0])
-    q = size_hint(val(q_len)) if isinstance(q_len, Node) else int(q_len)
+
+    def sizes() -> tuple[int, int]:
+        return rng.size(xv.shape[0]), rng.size(val(q_len)) if isinstance(q_len, Node) else int(q_len)
+
+    tokens, q = sizes()
+    if tokens % q:  # T's symbols shrunk apart from q's (T and q_len traced as unrelated symbols)
+        rng.small = frozenset()
+        tokens, q = sizes()
     require(tokens % q == 0, f"semantic check: {tokens} tokens are not whole requests of q_len={q}", x)
     values = {x: rng.randn(xv.shape, xv.dtype)}
     if isinstance(q_len, Node):

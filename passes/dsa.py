@@ -34,7 +34,6 @@ import torch
 
 from dep_compile.ops.dsa import PreparedDsa
 from dep_compile.ops.projection import DepProjection
-from dep_compile.ops.shapes import size_hint
 from dep_compile.ops.sparse_mla import reserve_sparse_mla
 
 from .base import Found, LayerPass, PassContext, check_bf16, check_only_user, check_q_len, probe_step
@@ -140,7 +139,7 @@ class DsaMatch:
         the indexer's top-k (so its selection matters), the others short, in shuffled blocks."""
         a, ia = self.mla, self.indexer
         values, B, q = probe_step(rng, self.x, a["q_len"])
-        bs = size_hint(self.cache_shapes["kv_cache"][1])
+        bs = rng.size(self.cache_shapes["kv_cache"][1])
         long = int(ia["topk"]) + 2 * bs + q
         lens = [long if b < 2 else q + int(torch.randint(0, 2 * bs, (1,), generator=rng.g)) for b in range(B)]
         need = [-(-n // bs) for n in lens]
@@ -160,7 +159,7 @@ class DsaMatch:
             values[node] = t.to(val(node).dtype).to(rng.device)
         caches = self.caches()
         for role, node in caches.items():
-            rest = tuple(size_hint(d) for d in self.cache_shapes[role.value][1:])
+            rest = tuple(rng.size(d) for d in self.cache_shapes[role.value][1:])
             t = torch.randn((blocks, *rest), generator=rng.g)
             values[node] = _PROBE_CACHE[role](t, val(node).dtype).to(rng.device)
         return ProbeInputs(values, caches, B * q)
@@ -186,7 +185,8 @@ def find_dsa(ctx: PassContext, S: Node) -> DsaMatch:
     require(I_out is a["topk_indices"] and single_user(I_out) is S, "indexer output has other users", I)
     ia = op_args(I, INDEXER.default)
     for name in ("slot_mapping", "block_table", "q_len"):
-        require(ia[name] is a[name], f"indexer and sparse MLA disagree on {name}", I)
+        same = ia[name] is a[name] or (type(a[name]) is int and ia[name] == a[name])  # ints > 256 are not interned
+        require(same, f"indexer and sparse MLA disagree on {name}", I)
     S_out = ctx.result(S)
     claimed = {S, I, I_out, S_out}
     T = val(a["q"]).shape[0]

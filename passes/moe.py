@@ -199,7 +199,7 @@ class MoeMatch:
                 shape = (*val(codes).shape[:-1], 2 * val(codes).shape[-1])
                 packed, scale = random_mxfp4(tuple(size_hint(d) for d in shape), rng.g, size_hint(shape[-1]) ** -0.5)
                 values[codes], values[scales] = packed.to(rng.device), scale.to(rng.device)
-        return ProbeInputs(values, {}, size_hint(xv.shape[0]))
+        return ProbeInputs(values, {}, rng.size(xv.shape[0]))
 
 
 def check_mxfp4_experts(ctx: PassContext, a: dict, latent: int) -> None:

@@ -37,22 +37,45 @@ Node = fx.Node
 CPU_MAX_REL = 2.0 ** -7  # one BF16 rounding at the tensor's largest value: cuBLAS tactics, same references
 CUDA_MAX_REL = 2.0 ** -5  # kernels vs the stock CUDA ops: BF16 roundings in another order (seen: <= 6.7e-3)
 CUDA_RMS_REL = 2.0 ** -7
+PROBE_SIZE = 4  # a symbolic token count's free symbols, in a probe (or their hints, if smaller)
+
+
+def token_symbols(x: Node) -> frozenset:
+    """The free symbols of the layer input's token count (x [T, ...]; T = n*q in a vLLM step): the sizes a
+    probe may shrink. Other symbolic sizes (``dynamic=True`` makes every dim one) keep their hints."""
+    t = val(x).shape[0] if isinstance(val(x), torch.Tensor) else None
+    return frozenset(t.node.expr.free_symbols) if isinstance(t, torch.SymInt) else frozenset()
 
 
 class ProbeRandom:
-    """The probe's seeded source of random tensors, on the device the layer runs on."""
+    """The probe's seeded source of random tensors, on the device the layer runs on, and its sizes: the token
+    count's symbols (``small``) at min(hint, PROBE_SIZE), so a layer traced with a dynamic batch is probed at a
+    few tokens whatever its example (vLLM traces at its token budget); every other size at its hint."""
 
-    def __init__(self, device: torch.device, seed: int):
+    def __init__(self, device: torch.device, seed: int, small: frozenset = frozenset()):
         self.g = torch.Generator().manual_seed(seed)
         self.device = device
+        self.small = small
+
+    def size(self, d: int | torch.SymInt) -> int:
+        """A size as the probe takes it (an int as is; a SymInt with the ``small`` symbols shrunk)."""
+        if not isinstance(d, torch.SymInt):
+            return int(d)
+        node, env = d.node, d.node.shape_env
+        hints = {} if env is None else getattr(env, "backed_var_to_val", None) or env.var_to_val  # torch 2.13+ / 2.11
+        free = node.expr.free_symbols
+        if not (free & self.small) or not all(s in hints for s in free):
+            return size_hint(d)
+        return int(node.expr.xreplace({s: min(int(hints[s]), PROBE_SIZE) if s in self.small else hints[s]
+                                       for s in free}))
 
     def randn(self, shape, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
-        t = torch.randn(tuple(size_hint(s) for s in shape), generator=self.g)
+        t = torch.randn(tuple(self.size(s) for s in shape), generator=self.g)
         return (t * scale if scale != 1.0 else t).to(dtype).to(self.device)
 
     def weight_like(self, v: torch.Tensor) -> torch.Tensor:
         """A random weight of ``v``'s shape and dtype, at a scale that keeps activations O(1)."""
-        shape = tuple(size_hint(s) for s in v.shape)
+        shape = tuple(self.size(s) for s in v.shape)
         if v.dtype in (torch.int32, torch.int64):
             return torch.zeros(shape, dtype=v.dtype, device=self.device)
         t = torch.randn(shape, generator=self.g) * (shape[-1] ** -0.5 if len(shape) >= 2 else 0.1)
@@ -125,7 +148,13 @@ class _Evaluator:
         self.probe_tensors = {id(t) for t in caches}
 
     def value(self, a: Any) -> Any:
-        return fx.node.map_arg(a, self._node) if isinstance(a, (Node, list, tuple, dict)) else a
+        """``a`` with its nodes evaluated and its symbolic sizes at their probe values (``ProbeRandom.size``)."""
+        return fx.node.map_aggregate(a, self._leaf)
+
+    def _leaf(self, a: Any) -> Any:
+        if isinstance(a, Node):
+            return self._node(a)
+        return self.rng.size(a) if isinstance(a, torch.SymInt) else a
 
     def _node(self, n: Node) -> Any:
         if n not in self.env:
@@ -141,13 +170,13 @@ class _Evaluator:
             if n in self.real:
                 t = self.real[n]
                 if isinstance(t, torch.SymInt):
-                    return size_hint(t)
+                    return self.rng.size(t)
                 if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter) and t.dim() > 0 \
                         and not _is_weight_buffer(n):
                     raise NoMatch(f"semantic check: the layer reads graph input {n.name}, not a weight", n)
                 return t
             if isinstance(v, (torch.SymInt, int)):
-                return size_hint(v)
+                return self.rng.size(v)
             if isinstance(v, torch.Tensor):
                 return self.rng.weight_like(v)
             raise NoMatch(f"semantic check: no probe value for graph input {n.name}", n)
@@ -255,7 +284,7 @@ def check(probe: Probe, gm: fx.GraphModule, real: dict, seed: int = 0) -> Verdic
     if device.type == "meta":
         device = torch.device("cpu")
     on_cpu = device.type == "cpu"
-    rng = ProbeRandom(device, seed)
+    rng = ProbeRandom(device, seed, token_symbols(probe.x))
     with torch.no_grad():
         inputs = probe.inputs(rng)
         stock_caches = {role: inputs.values[node] for role, node in inputs.caches.items()}
@@ -288,4 +317,4 @@ def check(probe: Probe, gm: fx.GraphModule, real: dict, seed: int = 0) -> Verdic
 
 
 __all__ = ["Probe", "ProbeInputs", "ProbeRandom", "Verdict", "check", "compare_as_stored", "error", "signature",
-           "CPU_MAX_REL", "CUDA_MAX_REL", "CUDA_RMS_REL"]
+           "token_symbols", "PROBE_SIZE", "CPU_MAX_REL", "CUDA_MAX_REL", "CUDA_RMS_REL"]

@@ -17,12 +17,16 @@ import pytest
 import torch
 import torch._inductor.config as inductor_config
 
-from dep_compile.debug.parity import decisive_routing
+import dep_compile
+from dep_compile.debug.parity import decisive_routing, rel_err
 from dep_compile.ops.packing import pack_params, packed_view
 from dep_compile.passes.manager import DepPostGradPass
+from dep_compile.passes.validate import PROBE_SIZE
 from dep_compile.stock import build_model, preset
+from dep_compile.stock.cache import FP8_REL, KimiCache, RequestBatch, StepMeta, cache_differences
 
-from helpers import CUBLAS_ONLY, agreement_failures, assert_agrees, compare_steps, kinds_rewritten, mutant
+from helpers import (CUBLAS_ONLY, STATE_ATOL, PairResult, agreement_failures, assert_agrees, compare_steps,
+                     kinds_rewritten, mutant)
 
 
 class RecordingPass(DepPostGradPass):
@@ -156,3 +160,70 @@ def test_auto_functionalized_v1_is_a_near_miss_not_a_misrewrite():
         assert report.stock(kind) and all("auto_functionalized v1" in m.reason for m in report.stock(kind)), report.table()
     assert len(report.rewritten("moe")) == 3  # the MoE has no mutating op: rewritten either way
     assert_agrees(res, "post-grad auto_functionalized v1", inductor=True)
+
+
+def test_symbolic_q_traced_once_at_a_prefill_step_serves_every_q():
+    """vLLM's way (docs/vllm.md): a step of [n, q] tokens with n and q dynamic, traced once at a prefill-shaped
+    example (q = 12 > max_q) with every guard dropped, then run at q = 1, 3, 12 and another n on that one graph.
+    The pass must not refuse the symbolic q for its hint, its probes run at a few tokens (``probe_size``), and
+    every step equals stock eager (prefill-shaped steps run the stock core inside the kimi_dep ops)."""
+    cfg = preset("k31-small", num_layers=4)
+    model = decisive_routing(build_model(cfg, seed=1))
+    cache = KimiCache.allocate(cfg, num_slots=8, num_blocks=48, block_size=4, seed=2)
+    ref_cache = cache.clone()
+
+    class Step(torch.nn.Module):
+        """ids [n, q], slot_mapping [n, q], block_table [n, W], seq_lens / state_indices / accepted [n]."""
+
+        def forward(self, ids, slot_mapping, block_table, seq_lens, state_indices, accepted):
+            meta = StepMeta(ids.shape[1], slot_mapping.reshape(-1), block_table, seq_lens, state_indices, accepted)
+            return model.model(ids.reshape(-1), meta, cache)
+
+    pass_ = RecordingPass(CUBLAS_ONLY)
+    batches = {n: (RequestBatch(cache, n, seed=n), RequestBatch(ref_cache, n, seed=n)) for n in (2, 3)}
+    g = torch.Generator().manual_seed(3)
+    outs, refs = [], []
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    with inductor_config.patch(post_grad_custom_post_pass=pass_, force_disable_caches=True), torch.no_grad():
+        fn = torch._dynamo.optimize("inductor", nopython=True,
+                                    guard_filter_fn=torch.compiler.skip_all_guards_unsafe)(Step())
+        for i, (n, q) in enumerate([(3, 12), (3, 1), (2, 12), (3, 3), (2, 1), (3, 1)]):
+            meta, ref_meta = (b.step(q) for b in batches[n])
+            table = torch.zeros(n, 48, dtype=torch.int32)  # a fixed width, as vLLM's block table has
+            table[:, : meta.block_table.shape[1]] = meta.block_table
+            ids = torch.randint(0, cfg.vocab_size, (n * q,), generator=g)
+            args = (ids.view(n, q), meta.slot_mapping.view(n, q), table, meta.seq_lens, meta.state_indices,
+                    meta.accepted)
+            if i == 0:
+                for t in args:
+                    torch._dynamo.mark_dynamic(t, 0)
+                for t in args[:2]:
+                    torch._dynamo.mark_dynamic(t, 1)
+            outs.append(fn(*args).flatten())
+            refs.append(model.model(ids, ref_meta, ref_cache).flatten())
+    report = dep_compile.last_report()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 1  # one trace served every step
+    assert kinds_rewritten(report) == {"kda": [True] * 3, "dsa": [True], "moe": [True] * 3}, report.table()
+    probe = f"probe {3 * min(12, PROBE_SIZE)} tokens"  # n at its hint 3, q at PROBE_SIZE, not the traced 12
+    assert all(m.validation.startswith(probe) for m in report.layers), [m.validation for m in report.layers]
+    errs = cache_differences(cache.snapshot(), ref_cache.snapshot(), fp8_scale=STATE_ATOL / FP8_REL)
+    res = PairResult(max((a - b).abs().max().item() for a, b in zip(outs, refs)), max(errs.values()), errs, report,
+                     len(outs), {}, {}, rel_err(torch.cat(outs), torch.cat(refs)))
+    assert_agrees(res, "post-grad symbolic q", inductor=True)
+
+
+def test_static_prefill_step_names_its_q_len():
+    """A static step of q = 260 tokens (> 256, so two equal ints are two objects): DSA and KDA stay stock for
+    its size, and say so (the DSA check once compared the indexer's q_len to sparse MLA's by identity)."""
+    cfg = preset("k31-small", num_layers=4)
+    model = build_model(cfg, seed=1)
+    cache = KimiCache.allocate(cfg, num_slots=2, num_blocks=70, block_size=4, seed=2)
+    meta = RequestBatch(cache, 1).step(260)
+    pass_ = RecordingPass(CUBLAS_ONLY)
+    with inductor_config.patch(post_grad_custom_post_pass=pass_, force_disable_caches=True), torch.no_grad():
+        torch.compile(model, fullgraph=True, dynamic=False)(torch.zeros(260, dtype=torch.int64), meta, cache)
+    report = dep_compile.last_report()
+    for kind in ("kda", "dsa"):
+        assert [m.reason for m in report.stock(kind)] == ["prefill-shaped step: q_len=260 > "
+                                                          "max_q=8"] * len(report.stock(kind)), report.table()
+    assert len(report.stock("dsa")) == 1 and len(report.rewritten("moe")) == 3, report.table()

@@ -113,3 +113,92 @@ def test_post_grad_pass_manager_runs_it_on_the_stock_decoder():
     # exactly these rows, every one rewritten: KDA 0-2, DSA 3, MoE 1-3 (no stock row, no other kind)
     assert kinds_rewritten(report) == {"kda": [True] * 3, "dsa": [True], "moe": [True] * 3}, report.table()
     assert_agrees(res, "vLLM post-grad pass manager", inductor=True)
+
+
+def test_step_groups_decode_unpadded_prefill_bounded():
+    """vLLM's ragged step as uniform groups (``vllm_k3.layout``): decode requests together at q = 1 with no padding,
+    prefill chunks largest first with padding below their tokens; every token lands once, at its cache slot
+    and position (token i of a request with c tokens at seq - c + i), with accepted = c and the request's KDA slot
+    its first block."""
+    from dep_compile.integrations.vllm_k3.layout import build_groups, dummy_group, group_requests
+
+    assert group_requests([1, 1, 1], 1) == [[0, 1, 2]]
+    assert group_requests([3, 12, 7, 1], 1) == [[3], [1, 2], [0]]
+    assert group_requests([2, 1, 9], 2) == [[0, 1], [2]]  # verify-sized (<= 1 + spec tokens) join the decodes
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        counts = torch.randint(1, 40, (9,), generator=g).tolist()
+        groups = group_requests(counts, 1)
+        assert sorted(i for grp in groups for i in grp) == list(range(9))
+        assert all(len(grp) * max(counts[i] for i in grp) < 2 * sum(counts[i] for i in grp)
+                   for grp in groups if max(counts[i] for i in grp) > 1)
+
+    counts, seq, width = [1, 5, 1, 3], [9, 5, 17, 12], 4
+    qsl = torch.tensor([0, 1, 6, 7, 10])
+    table = torch.arange(4 * 6, dtype=torch.int32).view(4, 6) + 1  # [n, 6]: wider than the graph's 4
+    slots = torch.arange(100, 110)  # [T]
+    groups = build_groups(qsl, torch.tensor(seq, dtype=torch.int32), table, slots, width, decode_q=1)
+    assert [(grp.kind, grp.shape) for grp in groups] == [("decode", (2, 1)), ("prefill", (2, 5))]
+    assert not any(grp.whole for grp in groups)
+    seen = []
+    for grp in groups:
+        n, q = grp.shape
+        assert grp.block_table.shape == (n, width) and torch.equal(grp.state_indices, grp.block_table[:, 0])
+        assert torch.equal(grp.tokens.view(n, q).flatten()[grp.rows], grp.dest)
+        for r in range(n):
+            req = next(i for i in range(4) if table[i, 0] == grp.block_table[r, 0])
+            c = counts[req]
+            assert grp.accepted[r] == c and torch.equal(grp.block_table[r], table[req, :width])
+            assert int(grp.seq_lens[r]) - q == seq[req] - c  # slot i sits at seq - c + i
+            assert grp.slot_mapping[r, :c].tolist() == slots[qsl[req]: qsl[req] + c].tolist()
+            assert (grp.slot_mapping[r, c:] == -1).all()
+        seen += grp.dest.tolist()
+    assert sorted(seen) == list(range(10))
+
+    decode = build_groups(torch.arange(5), torch.tensor([3, 4, 5, 6], dtype=torch.int32), table, slots, width, 1)
+    assert len(decode) == 1 and decode[0].whole and decode[0].shape == (4, 1)
+    assert torch.equal(decode[0].tokens, torch.arange(4))
+    with pytest.raises(ValueError, match="at least one token"):
+        build_groups(torch.tensor([0, 2, 2]), torch.tensor([2, 2]), table, slots, width, 1)
+    dummy = dummy_group(4096, width, "cpu")  # vLLM's profile run: the trace's example, n and q both >= 2
+    assert dummy.shape == (2, 2048) and dummy.whole and (dummy.slot_mapping == -1).all()
+    assert (dummy.state_indices == -1).all()
+    small = dummy_group(1, width, "cpu")
+    assert small.shape == (2, 2) and not small.whole and small.dest.tolist() == [0]
+
+
+def test_engine_log_names_step_kinds_and_warns_once_for_stock_attention():
+    """The pass's log in the engine: which steps the graph serves (from its q_len), and for a graph whose DSA / KDA
+    layers stay stock (a static prefill-shaped q) one warning naming each with its reason and what to set."""
+    import logging
+
+    from dep_compile.stock.cache import KimiCache, RequestBatch
+
+    cfg = preset("k31-small", num_layers=4)
+    model = build_model(cfg, seed=1)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("vllm.dep_compile")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)  # as vLLM's logging config has it in an engine
+    try:
+        for q in (1, 12):
+            torch._dynamo.reset()
+            cache = KimiCache.allocate(cfg, num_slots=3, num_blocks=16, block_size=4, seed=2)
+            meta = RequestBatch(cache, 2).step(q)
+            with inductor_config.patch({KEY: KimiDepInductorPass(CUBLAS_ONLY), "force_disable_caches": True,
+                                        "enable_auto_functionalized_v2": True}), torch.no_grad():
+                torch.compile(model, fullgraph=True, dynamic=False)(torch.zeros(2 * q, dtype=torch.int64), meta, cache)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    infos = [r.getMessage() for r in records if r.levelno == logging.INFO]
+    warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+    assert len(infos) == 2 and "(steps served: steps of q = 1 only)" in infos[0], infos
+    assert "(steps served: steps of q = 12 only (prefill-shaped: DSA/KDA stay stock))" in infos[1], infos
+    assert len(warnings) == 1 and "4 DSA/KDA layer(s)" in warnings[0], warnings  # q = 1: none; q = 12: one
+    for i in range(4):
+        assert f"model.layers.{i}.self_attn" in warnings[0]
+    assert warnings[0].count("trace steps as [n, q] with q dynamic") == 4, warnings[0]

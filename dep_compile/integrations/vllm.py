@@ -28,8 +28,10 @@ import torch.fx as fx
 from torch import nn
 from vllm.compilation.passes.inductor_pass import InductorPass
 
-from dep_compile.debug.report import last_report
+from dep_compile.config import DepOptions
+from dep_compile.debug.report import MatchReport, last_report
 from dep_compile.ops.packing import pack_params
+from dep_compile.passes.calls import functionalized_op, op_args
 from dep_compile.passes.manager import DepPostGradPass
 
 PASS_NAME = "dep_compile_vllm.kimi_dep_pass"  # the qualified name vLLM's config resolves
@@ -38,6 +40,46 @@ NO_MATCH = ("kimi_dep: no kimi_k3 op in graph {graph}, so nothing was rewritten:
             "not call the dep_compile stock ops (vLLM's own K3 model is not torch.compiled, and other models hold "
             "vLLM's ops). Serve K3 / K3.1 with the dep_compile model: "
             "hf_overrides={{\"architectures\": [\"DepKimiK3ForCausalLM\"]}} (docs/vllm.md)")
+# What a user can set when a DSA / KDA layer stays stock, by the start of its reason (docs/vllm.md, "Step kinds").
+ADVICE = {
+    "prefill-shaped step": "the graph was traced with a static q_len above max_q: trace steps as [n, q] with q "
+                           "dynamic (the dep_compile model DepKimiK3ForCausalLM does), or raise the kimi_dep option "
+                           "max_q",
+    "auto_functionalized v1": 'set inductor_compile_config={"enable_auto_functionalized_v2": true} '
+                              "(compilation_config() does)",
+    "policy:": "add the kind to the kimi_dep option kinds",
+}
+
+
+def step_kinds(graph: fx.Graph, max_q: int) -> str:
+    """Which steps the graph's attention ops serve, read off their ``q_len`` arguments."""
+    qs = set()
+    for n in graph.nodes:
+        op = functionalized_op(n) or n.target
+        schema = getattr(op, "_schema", None)
+        if n.op == "call_function" and schema is not None and any(a.name == "q_len" for a in schema.arguments):
+            q = op_args(n, op)["q_len"]
+            qs.add(None if isinstance(q, (fx.Node, torch.SymInt)) else int(q))
+    if not qs:
+        return "no attention op"
+    if None in qs:
+        return (f"every step on this graph, q_len symbolic: decode (q = 1) and verify (q <= max_q = {max_q}) groups "
+                f"run the rewritten ops; prefill-shaped groups (q > {max_q}) run the stock cores inside them")
+    return "; ".join(f"steps of q = {q} only" + (" (prefill-shaped: DSA/KDA stay stock)" if q > max_q else "")
+                     for q in sorted(qs))
+
+
+def stock_attention_warning(report: MatchReport) -> str | None:
+    """One warning for a graph whose DSA or KDA layers stay stock: each layer's reason, and what to set."""
+    stock = [m for m in report.layers if m.kind in ("dsa", "kda") and not m.rewritten]
+    if not stock:
+        return None
+    lines = []
+    for m in stock:
+        fix = next((v for k, v in ADVICE.items() if k in m.reason), "see the reason and docs/vllm.md")
+        lines.append(f"  {m.module} ({m.kind}): {m.reason} -> {fix}")
+    return (f"kimi_dep: {len(stock)} DSA/KDA layer(s) of graph {report.graph} stay stock, so steps of this graph run "
+            f"them unspecialized:\n" + "\n".join(lines))
 
 
 class KimiDepInductorPass(DepPostGradPass, InductorPass):
@@ -55,10 +97,14 @@ class KimiDepInductorPass(DepPostGradPass, InductorPass):
         """Rewrite the graph; log the match report (one line a layer), or why nothing matched."""
         super().__call__(graph)
         report = last_report()
-        if report.layers:
-            log.info("kimi_dep match report\n%s", report.table())
-        else:
+        if not report.layers:
             log.warning(NO_MATCH.format(graph=report.graph))
+            return
+        kinds = step_kinds(graph, DepOptions.from_dict(self.options).max_q)
+        log.info("kimi_dep match report (steps served: %s)\n%s", kinds, report.table())
+        warning = stock_attention_warning(report)
+        if warning:
+            log.warning(warning)
 
     def uuid(self) -> str:
         return self.manager().uuid(Path(__file__))
@@ -121,4 +167,4 @@ def pack_model_weights(model: nn.Module) -> list[str]:
     return packed
 
 
-__all__ = ["KimiDepInductorPass", "compilation_config", "pack_model_weights", "PASS_NAME"]
+__all__ = ["KimiDepInductorPass", "compilation_config", "pack_model_weights", "step_kinds", "PASS_NAME"]

@@ -9,25 +9,22 @@ from dep_compile.integrations.quantization import experts_format
 
 log = logging.getLogger("dep_compile.vllm_k3")
 
-MAX_STEP_TOKENS = 8  # tokens a request may bring to one step (= kimi_dep's default max_q: KDA/DSA stay rewritten)
 
-
-def step_sizes(vllm_config) -> tuple[int, int, int, int]:
-    """(requests B, tokens per request Q, blocks, block size) of the padded step layout."""
-    sched, cache = vllm_config.scheduler_config, vllm_config.cache_config
-    bs = cache.block_size
+def step_sizes(vllm_config) -> tuple[int, int, int]:
+    """(blocks, block size, decode q) of the model's caches and step groups; decode q = 1 + the speculative
+    tokens (vLLM's uniform decode query length)."""
+    cache, spec = vllm_config.cache_config, vllm_config.speculative_config
     blocks = cache.num_gpu_blocks_override
     if blocks is None:
         raise ValueError("the dep_compile K3 model needs cache_config.num_gpu_blocks_override (its hook sets it)")
-    return sched.max_num_seqs, sched.max_num_batched_tokens, blocks, bs
+    return blocks, cache.block_size, 1 + (spec.num_speculative_tokens if spec is not None else 0)
 
 
 class DepKimiK3EngineConfig:
-    """vLLM's per-architecture hook (``MODELS_CONFIG_MAP``): the scheduler limits the padded layout relies on.
+    """vLLM's per-architecture hook (``MODELS_CONFIG_MAP``): the engine settings the model relies on.
 
-    - Every step is laid out as ``max_num_seqs`` requests x ``Q`` tokens, Q = ``max_num_batched_tokens``:
-      the stock ``kimi_k3`` ops take uniform steps (B requests of q tokens, with accepted counts), so
-      the budget is capped at ``MAX_STEP_TOKENS`` and ``max_num_seqs`` at the budget.
+    The scheduler's budgets stay vLLM's: the model splits each step into uniform groups itself
+    (``layout.py``).
     - Prefix caching is off: a request's first block id names its KDA state slot.
     - ``num_gpu_blocks_override`` fixes the block pool, so the model can allocate its caches
       at construction (the CPU worker compiles before vLLM allocates its KV pool).
@@ -39,16 +36,6 @@ class DepKimiK3EngineConfig:
     @staticmethod
     def verify_and_update_config(vllm_config) -> None:
         sched, cache = vllm_config.scheduler_config, vllm_config.cache_config
-        if sched.max_num_batched_tokens > MAX_STEP_TOKENS:
-            log.warning("dep_compile K3: max_num_batched_tokens %d -> %d (each step is padded to max_num_seqs x "
-                        "max_num_batched_tokens tokens)", sched.max_num_batched_tokens, MAX_STEP_TOKENS)
-            sched.max_num_batched_tokens = MAX_STEP_TOKENS
-            if getattr(sched, "max_num_scheduled_tokens", None):
-                sched.max_num_scheduled_tokens = min(sched.max_num_scheduled_tokens, MAX_STEP_TOKENS)
-        if sched.max_num_seqs > sched.max_num_batched_tokens:
-            log.warning("dep_compile K3: max_num_seqs %d -> %d", sched.max_num_seqs, sched.max_num_batched_tokens)
-            sched.max_num_seqs = sched.max_num_batched_tokens
-        sched.long_prefill_token_threshold = 0
         cache.enable_prefix_caching = False
         if cache.num_gpu_blocks_override is None:
             per_request = math.ceil(vllm_config.model_config.max_model_len / cache.block_size)
@@ -68,4 +55,4 @@ class DepKimiK3EngineConfig:
         arch.quantization_config = None
 
 
-__all__ = ["DepKimiK3EngineConfig", "step_sizes", "MAX_STEP_TOKENS"]
+__all__ = ["DepKimiK3EngineConfig", "step_sizes"]

@@ -1,26 +1,33 @@
 """The out-of-tree vLLM model for K3 / K3.1: the ``dep_compile.stock`` decoder behind vLLM's model interface.
 
 Its compiled graph is the stock decoder's (the same ``kimi_k3`` ops on cache tensors and step
-metadata), so the kimi_dep passes match it unchanged; ``step.py`` says how vLLM's ragged batch
-becomes the stock ops' uniform step.
+metadata), so the kimi_dep passes match it unchanged. ``layout.py`` says how vLLM's ragged batch
+becomes uniform groups of n requests x q tokens; the forward here (not compiled) runs the compiled
+decoder once per group. The decoder's inputs are [n, q] with both sizes dynamic, traced once: one
+graph serves decode (q = 1), verify and prefill groups, and the kimi_dep ops pick their path per call
+from q (prefill-shaped groups run the stock cores inside them).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
+from vllm.forward_context import get_forward_context, is_forward_context_available
 
 from dep_compile.integrations.checkpoint import config_from_hf, load_checkpoint
 from dep_compile.integrations.vllm import pack_model_weights
+from dep_compile.stock.cache import StepMeta
 from dep_compile.stock.model import KimiK3Model
 
 from .config import step_sizes
+from .layout import StepGroup, dummy_group
 from .reference import fp32_logits
-from .step import KimiCacheLayer, StepBuffers
+from .step import KimiCacheLayer, StepCaches
 
 
 def k3_config(vllm_config: VllmConfig):
@@ -31,28 +38,37 @@ def k3_config(vllm_config: VllmConfig):
                           quantization_config=getattr(mc.hf_config, "quantization_config", None))
 
 
-@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0})
+@support_torch_compile(dynamic_arg_dims={"input_ids": [0, 1], "slot_mapping": [0, 1], "block_table": 0,
+                                         "seq_lens": 0, "state_indices": 0, "accepted": 0})
 class DepKimiK3Model(KimiK3Model):
-    """Embedding, decoder layers, final norm (the stock ``KimiK3Model``), plus the step buffers and
-    one KV-cache registration per full-attention layer."""
+    """Embedding, decoder layers, final norm (the stock ``KimiK3Model``) on one uniform group, plus the
+    caches and one KV-cache registration per full-attention layer."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         cfg = k3_config(vllm_config)
         super().__init__(cfg)
-        B, Q, blocks, bs = step_sizes(vllm_config)
-        self.step = StepBuffers(cfg, B, Q, blocks, bs, vllm_config.model_config.max_model_len)
+        blocks, bs, decode_q = step_sizes(vllm_config)
+        self.step = StepCaches(cfg, blocks, bs, vllm_config.model_config.max_model_len, decode_q)
+        self.attn_names = []  # the full-attention layers' names: their metadata holds the step's groups
         for i, layer in enumerate(self.layers):
             if layer.kind != "kda":
-                layer.self_attn.attn = KimiCacheLayer(f"{prefix}.layers.{i}.self_attn.attn", self.step, cfg)
+                self.attn_names.append(f"{prefix}.layers.{i}.self_attn.attn")
+                layer.self_attn.attn = KimiCacheLayer(self.attn_names[-1], self.step, cfg)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors=None,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids [T] (vLLM's flat batch) -> final hidden states [T, hidden] BF16."""
-        if inputs_embeds is not None:
-            raise NotImplementedError("the dep_compile K3 model takes token ids only")
-        s = self.step
-        h = super().forward(input_ids[s.pad_index], s.meta(), s.layer_caches())  # [B*Q, hidden]
-        return h[s.unpad_index[: input_ids.shape[0]]]
+    def forward(self, input_ids: torch.Tensor, slot_mapping: torch.Tensor, block_table: torch.Tensor,
+                seq_lens: torch.Tensor, state_indices: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
+        """One group: input_ids / slot_mapping [n, q], block_table [n, W], the rest [n] -> hidden [n*q, hidden]."""
+        meta = StepMeta(input_ids.shape[1], slot_mapping.reshape(-1), block_table, seq_lens, state_indices, accepted)
+        return super().forward(input_ids.reshape(-1), meta, self.step.layer_caches())
+
+    def groups(self, num_tokens: int, device) -> list[StepGroup]:
+        """This step's groups (the builder's), or a dummy group for vLLM's dummy and profile runs (no metadata)."""
+        md = get_forward_context().attn_metadata if is_forward_context_available() else None
+        if not md:
+            return [dummy_group(num_tokens, self.step.width, device)]
+        if not isinstance(md, dict):
+            raise NotImplementedError("the dep_compile K3 model does not support micro-batching (ubatch metadata)")
+        return md[self.attn_names[0]].groups
 
 
 class DepKimiK3ForCausalLM(nn.Module):
@@ -63,13 +79,29 @@ class DepKimiK3ForCausalLM(nn.Module):
         self.config = k3_config(vllm_config)
         self.model = DepKimiK3Model(vllm_config=vllm_config, prefix="model")
         self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
+        self.groups_run = Counter()  # (kind, n, q) -> groups run: what the engine's steps were (tests, docs)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors=None,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+        """input_ids [T] (vLLM's flat batch) -> final hidden states [T, hidden] BF16: the compiled decoder once
+        per group of the step (positions are implied by the groups' sequence lengths)."""
+        if inputs_embeds is not None:
+            raise NotImplementedError("the dep_compile K3 model takes token ids only")
+        T = input_ids.shape[0]
+        out = None
+        for g in self.model.groups(T, input_ids.device):
+            n, q = g.shape
+            self.groups_run[g.kind, n, q] += 1
+            h = self.model(input_ids[g.tokens].view(n, q), g.slot_mapping, g.block_table, g.seq_lens,
+                           g.state_indices, g.accepted)  # [n*q, hidden]
+            if g.whole:
+                return h
+            out = h.new_empty(T, h.shape[-1]) if out is None else out
+            out[g.dest] = h[g.rows]
+        return out
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden [T, hidden] -> logits [T, vocab] computed in FP32 (``fp32_logits``)."""
