@@ -106,12 +106,12 @@ def _part_sizes(parts: list[tuple[str, int | None]], leaf: str, rows: int) -> li
 def _shards(cfg: K3Config) -> dict[str, list[tuple[str, int | None]]]:
     """Packed parameter (module name) -> its checkpoint parts in row order, with their row counts
     (None: half of the rows)."""
-    HD, L = cfg.kda_width, cfg.latent_dim
+    HD = cfg.kda_width
     return {
-        "in_proj_qkvgfab": [("q_proj", HD), ("k_proj", HD), ("v_proj", HD), ("g_proj", HD),
-                            ("f_a_proj", cfg.kda_f_rank), ("b_proj", cfg.kda_heads)],
+        "in_proj_qkvgfab": list(zip(("q_proj", "k_proj", "v_proj", "g_proj", "f_a_proj", "b_proj"),
+                                    cfg.kda_in_segments)),
         "conv1d": [("q_conv1d", HD), ("k_conv1d", HD), ("v_conv1d", HD)],
-        "fused_qkv_a_g_proj": [("q_a_proj", cfg.q_lora_rank), ("kv_a_proj_with_mqa", L), ("g_proj", cfg.mla_gate_width)],
+        "fused_qkv_a_g_proj": list(zip(("q_a_proj", "kv_a_proj_with_mqa", "g_proj"), cfg.mla_fused_segments)),
         "gate_up_proj": [("gate_proj", None), ("up_proj", None)],
     }
 

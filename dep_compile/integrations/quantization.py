@@ -16,6 +16,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
+from dep_compile.stock.fp8_block import BLOCK
 from dep_compile.stock.mxfp4 import GROUP
 
 FORMAT = "mxfp4-pack-quantized"
@@ -163,22 +164,23 @@ def experts_format(qc: dict | None) -> str:
     return weight_formats(qc)[0]
 
 
-def _compressed_tensors():
-    """compressed-tensors' MXFP4 pieces: (the compressor, the MXFP4A16 scheme, calculate_qparams)."""
+def _compressed_tensors(compressor: str, scheme: str, what: str):
+    """compressed-tensors' pieces for ``scheme``: (the ``compressor`` class, the preset scheme, calculate_qparams);
+    MissingExtra naming ``what`` is being written when the package (or psutil) is missing."""
     try:
-        from compressed_tensors.compressors import MXFP4PackedCompressor
+        import compressed_tensors.compressors as compressors
         from compressed_tensors.quantization import preset_name_to_scheme
         from compressed_tensors.quantization.utils import calculate_qparams
     except ModuleNotFoundError as e:  # compressed-tensors 0.17 imports psutil without declaring it
-        raise MissingExtra(f"writing MXFP4 experts needs compressed-tensors and psutil ({e.name} is missing): "
+        raise MissingExtra(f"writing {what} needs compressed-tensors and psutil ({e.name} is missing): "
                            "pip install 'dep-compile[mxfp4]'", name=e.name) from e
-    return MXFP4PackedCompressor, preset_name_to_scheme(SCHEME, ["Linear"]), calculate_qparams
+    return getattr(compressors, compressor), preset_name_to_scheme(scheme, ["Linear"]), calculate_qparams
 
 
 def compress_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """compressed-tensors' MXFP4 of a BF16 ``w [..., N, K]``: (packed uint8 [..., N, K/2], E8M0 scales uint8
     [..., N, K/32])."""
-    compressor, scheme, calculate_qparams = _compressed_tensors()
+    compressor, scheme, calculate_qparams = _compressed_tensors("MXFP4PackedCompressor", SCHEME, "MXFP4 experts")
     flat = w.reshape(-1, w.shape[-1])
     groups = flat.unflatten(-1, (-1, GROUP))
     # its FP4 rounding is torch.compile'd: eager gives the same bytes without an Inductor compile
@@ -191,20 +193,13 @@ def compress_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def compress_fp8_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """compressed-tensors' ``FP8_BLOCK`` of a BF16 ``w [N, K]``: (float8_e4m3fn [N, K], FP32 scales
     [ceil(N/128), ceil(K/128)]), one per 128 x 128 block (rows and inputs zero-padded to whole blocks)."""
-    try:
-        from compressed_tensors.compressors import FloatQuantizationCompressor
-        from compressed_tensors.quantization import preset_name_to_scheme
-        from compressed_tensors.quantization.utils import calculate_qparams
-    except ModuleNotFoundError as e:
-        raise MissingExtra(f"writing FP8 block weights needs compressed-tensors and psutil ({e.name} is missing): "
-                           "pip install 'dep-compile[mxfp4]'", name=e.name) from e
-    scheme = preset_name_to_scheme("FP8_BLOCK", ["Linear"])
+    compressor, scheme, calculate_qparams = _compressed_tensors("FloatQuantizationCompressor", "FP8_BLOCK",
+                                                                "FP8 block weights")
     n, k = w.shape
-    blocks = F.pad(w.float(), (0, -k % 128, 0, -n % 128)).unflatten(0, (-1, 128)).unflatten(2, (-1, 128))
+    blocks = F.pad(w.float(), (0, -k % BLOCK, 0, -n % BLOCK)).unflatten(0, (-1, BLOCK)).unflatten(2, (-1, BLOCK))
     blocks = blocks.transpose(1, 2).flatten(2)  # [N/128, K/128, 128 * 128]
     scale, zero_point = calculate_qparams(blocks.amin(-1), blocks.amax(-1), scheme.weights)
-    out = FloatQuantizationCompressor.compress({"weight": w, "weight_scale": scale, "weight_zero_point": zero_point},
-                                               scheme)
+    out = compressor.compress({"weight": w, "weight_scale": scale, "weight_zero_point": zero_point}, scheme)
     return out["weight"].contiguous(), out["weight_scale"].contiguous()
 
 

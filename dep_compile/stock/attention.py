@@ -19,7 +19,7 @@ class KimiDeltaAttention(nn.Module):
         H, D = c.kda_heads, c.kda_head_dim
         self.heads, self.head_dim, self.f_rank = H, D, c.kda_f_rank
         fmt = c.dense_format
-        self.in_proj_qkvgfab = dense_linear(fmt, c.hidden_size, c.kda_in_rows, [H * D] * 4 + [c.kda_f_rank, H])
+        self.in_proj_qkvgfab = dense_linear(fmt, c.hidden_size, c.kda_in_rows, c.kda_in_segments)
         self.f_b_proj = dense_linear(fmt, c.kda_f_rank, H * D)
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.empty(3 * H * D, 1, c.kda_conv_width))
@@ -51,8 +51,7 @@ class KimiMLAAttention(nn.Module):
         self.q_lora, self.kv_lora, self.gate_width = c.q_lora_rank, c.kv_lora_rank, c.mla_gate_width
         self.scale = c.softmax_scale
         fmt = c.dense_format
-        self.fused_qkv_a_g_proj = dense_linear(fmt, c.hidden_size, c.mla_fused_rows,
-                                               [c.q_lora_rank, c.kv_lora_rank + c.qk_rope_dim, c.mla_gate_width])
+        self.fused_qkv_a_g_proj = dense_linear(fmt, c.hidden_size, c.mla_fused_rows, c.mla_fused_segments)
         self.q_a_layernorm = RMSNorm(c.q_lora_rank, 1e-6)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, 1e-6)
         self.q_b_proj = dense_linear(fmt, c.q_lora_rank, c.mla_heads * c.qk_head_dim)

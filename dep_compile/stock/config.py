@@ -95,9 +95,13 @@ class K3Config:
         return self.kda_heads * self.kda_head_dim
 
     @property
+    def kda_in_segments(self) -> list[int]:
+        """Rows of each projection packed in in_proj_qkvgfab: q, k, v, g, f_a, beta."""
+        return [self.kda_width] * 4 + [self.kda_f_rank, self.kda_heads]
+
+    @property
     def kda_in_rows(self) -> int:
-        """Rows of the packed in_proj_qkvgfab: q, k, v, g, f_a, beta."""
-        return 4 * self.kda_width + self.kda_f_rank + self.kda_heads
+        return sum(self.kda_in_segments)
 
     @property
     def kda_conv_dim(self) -> int:
@@ -122,9 +126,14 @@ class K3Config:
         return self.mla_heads * self.v_head_dim
 
     @property
+    def mla_fused_segments(self) -> list[int]:
+        """Rows of each projection packed in fused_qkv_a_g_proj: q_a, kv_a, gate."""
+        return [self.q_lora_rank, self.latent_dim, self.mla_gate_width]
+
+    @property
     def mla_fused_rows(self) -> int:
-        """Rows of fused_qkv_a_g_proj: q_a | kv_a | gate (14400 at full size)."""
-        return self.q_lora_rank + self.latent_dim + self.mla_gate_width
+        """Rows of fused_qkv_a_g_proj (14400 at full size)."""
+        return sum(self.mla_fused_segments)
 
     @property
     def dsa_packed_rows(self) -> int:
