@@ -201,12 +201,16 @@ def fp8_block_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, segments: 
     """x [T, K] BF16 @ an FP8 block-scaled weight^T -> [T, N] BF16 (W8A8: activations quantized per 128 inputs).
 
     weight [N, K] float8_e4m3fn; weight_scale FP32, one per 128 x 128 block of each row segment (``segments``:
-    the row counts of the projections packed in it, in order). CPU and CUDA: the reference
-    (``stock/fp8_block.py``), in torch ops.
+    the row counts of the projections packed in it, in order). CPU: the reference (``stock/fp8_block.py``);
+    CUDA: a Triton quantizer and a plain tiled block-FP8 GEMM (``stock/fp8_block_cuda.py``).
     """
     check_weight("fp8_block_linear", weight, weight_scale, segments)
-    if x.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"fp8_block_linear: x {tuple(x.shape)} is not [T, {weight.shape[1]}]")
+    if x.dim() != 2 or x.shape[1] != weight.shape[1] or x.dtype != torch.bfloat16:
+        raise ValueError(f"fp8_block_linear: x {tuple(x.shape)} {x.dtype} is not [T, {weight.shape[1]}] bfloat16")
+    if x.is_cuda:  # fp8_block_cuda imports Triton: imported only for CUDA tensors
+        from .fp8_block_cuda import block_fp8_linear  # noqa: PLC0415
+
+        return block_fp8_linear(x, weight, weight_scale, segments)
     return fp8_block_linear_ref(x, weight, weight_scale, segments)
 
 

@@ -1,0 +1,172 @@
+"""The stock FP8 block-scaled linear on CUDA: a Triton activation quantizer, then cuBLAS's blockwise-scaled
+FP8 GEMM (``torch._scaled_mm``), or a plain tiled Triton block-FP8 GEMM where cuBLAS has none.
+
+What a user of FP8 block checkpoints runs on Hopper without our kernels:
+
+1. ``quantize_activations``: per row and group of 128 inputs, ``scale = max(amax, 1e-10) / 448`` and
+   ``x / scale`` (correctly rounded), saturated at 448, rounded to the nearest e4m3: the reference's
+   codes and scales bit for bit (``fp8_block.quantize_activations``), as vLLM's ``per_token_group_quant_fp8``;
+2. ``torch._scaled_mm`` with 1 x 128 activation scales (column-major ``[M, K/128]``) and 128 x 128 weight scales
+   (a ``[K/128, N/128]`` view of ``weight_scale``): cuBLASLt's blockwise-scaled FP8 GEMM. On the H200 (torch
+   2.11, CUDA 13.0) it takes these layouts only, and only for a multiple of 4 rows (``bench_projection_fp8.py``
+   prints the probe), so the rows are padded to one. A 128-row block may not span two segments: a packed
+   weight is one call per run of segments whose block grids line up (``segment_runs``), the runs' outputs
+   concatenated;
+3. where ``_scaled_mm`` has no blockwise scaling (checked once per device: ``has_blockwise_mm``), or the
+   shapes are not cuBLAS's (K not a multiple of 128, a run not a multiple of 16 rows: the small presets),
+   ``block_fp8_gemm``: ``[64, 128]`` output tiles, K in steps of 128 (one activation group and one weight
+   block), the FP8 products of a step summed by the tensor cores and scaled by both scales, each weight row
+   reading its own segment's scale row, in the shape of vLLM's Triton ``w8a8_block_fp8_matmul`` with its
+   default untuned tiles.
+
+The module imports Triton at import time: import it only where CUDA and Triton exist.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .fp8_block import BLOCK, FP8, scale_rows
+
+_QUANT_GROUPS = 8  # activation groups one quantize program takes
+_TILE_M, _TILE_N, _WARPS, _STAGES = 64, 128, 4, 2  # vLLM's default block-FP8 tiles (no tuned config)
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr,  # [M, K] bf16
+    q_ptr,  # [M, K] e4m3 out
+    s_ptr,  # [M, G] fp32 out
+    K,
+    G,
+    stride_xm,
+    GROUPS: tl.constexpr,  # groups of 128 per program
+):
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)  # [GROUPS] group index
+    col = g[:, None] * 128 + tl.arange(0, 128)[None, :]  # [GROUPS, 128]
+    mask = col < K
+    x = tl.load(x_ptr + row * stride_xm + col, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) * (1.0 / 448.0)  # [GROUPS]
+    q = tl.clamp(tl.div_rn(x, scale[:, None]), -448.0, 448.0).to(tl.float8e4nv)
+    tl.store(q_ptr + row * K + col, q, mask=mask)
+    tl.store(s_ptr + row * G + g, scale, mask=g < G)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] bf16 (unit stride along K) -> (e4m3 codes [M, K], fp32 scales [M, ceil(K/128)]), stock's rule."""
+    m, k = x.shape
+    groups = -(-k // BLOCK)
+    xq = torch.empty(m, k, dtype=FP8, device=x.device)
+    xs = torch.empty(m, groups, dtype=torch.float32, device=x.device)
+    _quantize_kernel[(m, triton.cdiv(groups, _QUANT_GROUPS))](x, xq, xs, k, groups, x.stride(0),
+                                                               GROUPS=_QUANT_GROUPS, num_warps=4)
+    return xq, xs
+
+
+@triton.jit
+def _block_fp8_kernel(
+    xq_ptr,  # [M, K] e4m3
+    xs_ptr,  # [M, G] fp32
+    w_ptr,  # [N, K] e4m3
+    s_ptr,  # [R, G] fp32
+    srow_ptr,  # [N] int32
+    out_ptr,  # [M, N] bf16
+    M,
+    N,
+    K,
+    G,
+    stride_wn,
+    stride_sr,
+    TILE_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_m = pid_m * TILE_M + tl.arange(0, TILE_M)
+    offs_n = pid_n * TILE_N + tl.arange(0, TILE_N)
+    offs_k = tl.arange(0, 128)
+    mmask, nmask = offs_m < M, offs_n < N
+    s_rows = s_ptr + tl.load(srow_ptr + offs_n, mask=nmask, other=0).to(tl.int64) * stride_sr
+    acc = tl.zeros([TILE_M, TILE_N], dtype=tl.float32)
+    for kb in range(0, G):
+        k = kb * 128 + offs_k
+        kmask = k < K
+        a = tl.load(xq_ptr + offs_m[:, None].to(tl.int64) * K + k[None, :], mask=mmask[:, None] & kmask[None, :],
+                    other=0.0)
+        b = tl.load(w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + k[:, None],
+                    mask=nmask[None, :] & kmask[:, None], other=0.0)
+        xs = tl.load(xs_ptr + offs_m.to(tl.int64) * G + kb, mask=mmask, other=0.0)
+        ws = tl.load(s_rows + kb, mask=nmask, other=0.0)
+        acc += tl.dot(a, b) * xs[:, None] * ws[None, :]
+    out = out_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    tl.store(out, acc.to(tl.bfloat16), mask=mmask[:, None] & nmask[None, :])
+
+
+@functools.lru_cache(maxsize=None)
+def _rows(segments: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Each weight row's scale row, int32 on ``device`` (made once per segment layout, outside any graph)."""
+    return scale_rows(list(segments), device).to(torch.int32)
+
+
+def segment_runs(segments: list[int]) -> list[tuple[int, int, int, int]]:
+    """(first row, end row, first scale row, end scale row) of each run of segments one blockwise GEMM can take:
+    a run ends after a segment that is not a multiple of 128 rows (its last block is partial)."""
+    runs, r0, b0, r, b = [], 0, 0, 0, 0
+    for i, n in enumerate(segments):
+        r, b = r + n, b + -(-n // BLOCK)
+        if n % BLOCK or i == len(segments) - 1:
+            runs.append((r0, r, b0, b))
+            r0, b0 = r, b
+    return runs
+
+
+@functools.lru_cache(maxsize=None)
+def has_blockwise_mm(device: torch.device) -> bool:
+    """Whether ``torch._scaled_mm`` takes 1 x 128 / 128 x 128 block scales on ``device`` (one small call)."""
+    a = torch.zeros(16, 128, dtype=FP8, device=device)
+    b = torch.zeros(128, 128, dtype=FP8, device=device)
+    one = torch.ones(1, 1, dtype=torch.float32, device=device)
+    try:
+        torch._scaled_mm(a, b.t(), torch.ones(1, 16, device=device).t(), one.t(), out_dtype=torch.bfloat16)
+    except (RuntimeError, ValueError):
+        return False
+    return True
+
+
+def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     segments: list[int]) -> torch.Tensor:
+    """x [M, K] bf16 @ the FP8 block-scaled weight [N, K]^T -> [M, N] bf16 (the module doc's path)."""
+    x = x.contiguous()
+    m = x.shape[0]
+    if x.is_cuda and torch.cuda.is_current_stream_capturing() and not has_blockwise_mm.cache_info().currsize:
+        return block_fp8_gemm(x, weight, weight_scale, segments)  # no probe inside a capture
+    runs = segment_runs(segments)
+    if x.shape[1] % BLOCK or any((r1 - r0) % 16 for r0, r1, _, _ in runs) or not has_blockwise_mm(x.device):
+        return block_fp8_gemm(x, weight, weight_scale, segments)
+    rows = -(-m // 4) * 4  # cuBLAS's blockwise FP8 GEMM takes a multiple of 4 rows
+    xq, xs = quantize_activations(x if rows == m else F.pad(x, (0, 0, 0, rows - m)))
+    xs = xs.t().contiguous().t()  # [rows, K/128], column-major
+    outs = [torch._scaled_mm(xq, weight[r0:r1].t(), xs, weight_scale[b0:b1].t(), out_dtype=torch.bfloat16)
+            for r0, r1, b0, b1 in runs]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+    return out if rows == m else out[:m]
+
+
+def block_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                   segments: list[int]) -> torch.Tensor:
+    """The plain Triton path of ``block_fp8_linear``: quantize, then ``_block_fp8_kernel``."""
+    m, k = x.shape
+    n = weight.shape[0]
+    xq, xs = quantize_activations(x)
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    grid = (triton.cdiv(n, _TILE_N), triton.cdiv(m, _TILE_M))
+    _block_fp8_kernel[grid](xq, xs, weight, weight_scale, _rows(tuple(segments), x.device), out, m, n, k,
+                            xs.shape[1], weight.stride(0), weight_scale.stride(0), TILE_M=_TILE_M, TILE_N=_TILE_N,
+                            num_warps=_WARPS, num_stages=_STAGES)
+    return out

@@ -1,0 +1,135 @@
+"""Tests of the FP8 block-scaled split-K GEMM (``dep_compile.ops.splitk_fp8_triton``) against stock's arithmetic.
+
+The kernel (and stock's own CUDA path, `stock/fp8_block_cuda.py`) quantizes the activations as stock does and sums each 128-input block's FP8 products before
+scaling them. The reference is ``stock/fp8_block.py``'s ``fp8_block_linear`` on the same codes.
+
+- Triton's CPU interpreter (CI; ``tests/triton_device.py`` makes it round as the GPU does): the block
+  products are summed in FP32 as the reference sums them, so the output is the reference's to one BF16
+  rounding at most (measured: equal).
+- CUDA: the tensor cores sum a block's 128 FP8 products in their own order and precision, so the bound is
+  ``MAX_REL`` of the largest value (measured at full size: below 4e-3, one BF16 rounding).
+
+Packed weights whose segments are not multiples of 128 rows (K3.1's ``kv_a`` 576, ``wv`` 32, KDA's ``b`` 96)
+keep each segment's own block scales; a mutant that reads the scales as one 128-row grid over the whole
+packed weight must fail the check. Sizes: ``small`` everywhere (ragged tiles, odd K, split-K with empty
+slices), ``full`` (K3.1's DSA projection, 14560 x 7168) on CUDA only.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dep_compile.stock.fp8_block import fp8_block_linear, random_fp8_block, scale_rows
+from dep_compile.tactics import SplitK
+
+from triton_device import TRITON_DEV as DEV, device_test, ulps, use_triton
+
+MAX_REL = 2.0 ** -7  # CUDA: max |out - ref| / max |ref|
+SIZES = {"small": ([96, 40, 128, 32], 300), "full": ([1536, 576, 12288, 128, 32], 7168)}
+SIZE_NAMES = ("small",) if DEV == "cpu" else ("small", "full")
+TACTICS = [SplitK(1, 64, 128, 4, 4), SplitK(1, 128, 128, 8, 3), SplitK(3, 32, 128, 4, 2)]
+
+
+def _kernel():
+    use_triton()
+    from dep_compile.ops import splitk_fp8_triton  # noqa: PLC0415 - CUDA / interpreter only
+
+    return splitk_fp8_triton
+
+
+def _case(segments: list[int], k: int, m: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    w, s = random_fp8_block(sum(segments), k, segments, g, k ** -0.5)
+    x = (torch.randn(m, k, generator=g) * 2).to(torch.bfloat16)
+    return x, w, s
+
+
+def _run(kernel, x, w, s, rows, tactic):
+    out = torch.full((x.shape[0], w.shape[0]), float("nan"), dtype=torch.bfloat16, device=DEV)
+    ws = torch.zeros(1 << 20, dtype=torch.float32, device=DEV) if tactic.split_k > 1 else None
+    kernel.fp8_splitk_linear(x.to(DEV), w.to(DEV), s.to(DEV), rows.int().to(DEV), out, tactic, ws)
+    assert torch.isfinite(out).all(), "outputs not written"
+    return out.cpu()
+
+
+def _within(out, ref) -> bool:
+    if DEV == "cpu":
+        return bool(ulps(out, ref).max() <= 1)
+    return float((out.float() - ref.float()).abs().max() / ref.float().abs().max()) <= MAX_REL
+
+
+@device_test
+@pytest.mark.parametrize("size", SIZE_NAMES)
+@pytest.mark.parametrize("tactic", TACTICS, ids=str)
+@pytest.mark.parametrize("m", [1, 5, 16, 64])
+def test_fp8_splitk_matches_stock(size, tactic, m):
+    kernel = _kernel()
+    segments, k = SIZES[size]
+    x, w, s = _case(segments, k, m, seed=m)
+    ref = fp8_block_linear(x, w, s, segments)
+    out = _run(kernel, x, w, s, scale_rows(segments), tactic)
+    err = float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
+    assert _within(out, ref), f"max err {err:.3e} of the largest value ({tactic}, M={m}, {size})"
+
+
+@device_test
+@pytest.mark.parametrize("size", SIZE_NAMES)
+def test_fp8_splitk_mutant_one_grid_fails(size):
+    """Scales read as one 128-row grid over the packed weight (ignoring the segments) must fail the check."""
+    kernel = _kernel()
+    segments, k = SIZES[size]
+    x, w, s = _case(segments, k, 16, seed=7)
+    n = sum(segments)
+    ref = fp8_block_linear(x, w, s, segments)
+    wrong = torch.arange(n) // 128  # rows past the first unaligned segment read their neighbour's block scales
+    out = _run(kernel, x, w, s, wrong, TACTICS[0])
+    assert not _within(out, ref)
+
+
+@device_test
+def test_fp8_splitk_rejects_bad_operands():
+    kernel = _kernel()
+    x, w, s = _case([64], 256, 2, seed=1)
+    out = torch.empty(2, 64, dtype=torch.bfloat16, device=DEV)
+    rows = scale_rows([64]).int().to(DEV)
+    with pytest.raises(ValueError, match="block_k must be 128"):
+        kernel.fp8_splitk_linear(x.to(DEV), w.to(DEV), s.to(DEV), rows, out, SplitK(1, 64, 256, 4, 2))
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        kernel.fp8_splitk_linear(x.to(DEV), w.float().to(DEV), s.to(DEV), rows, out, SplitK(1, 64, 128, 4, 2))
+    with pytest.raises(ValueError, match="do not match"):
+        kernel.fp8_splitk_linear(x.to(DEV), w.to(DEV), s.t().contiguous().to(DEV), rows, out, SplitK(1, 64, 128, 4, 2))
+
+
+@device_test
+@pytest.mark.parametrize("shape", [(1, 7168), (5, 300), (64, 128)])
+def test_quantize_is_stocks_bit_for_bit(shape):
+    """The activation codes and scales are stock's exactly (wide-ranging rows, a short last group)."""
+    from dep_compile.stock.fp8_block import quantize_activations  # noqa: PLC0415
+
+    use_triton()
+    from dep_compile.stock import fp8_block_cuda  # noqa: PLC0415 - CUDA / interpreter only
+
+    g = torch.Generator().manual_seed(shape[0])
+    x = (torch.randn(*shape, generator=g) * torch.exp2(torch.randint(-12, 12, shape, generator=g).float()))
+    x = x.to(torch.bfloat16)
+    xq, xs = fp8_block_cuda.quantize_activations(x.to(DEV))
+    ref_q, ref_s = quantize_activations(x)
+    assert torch.equal(xs.cpu(), ref_s)
+    assert torch.equal(xq.cpu().view(torch.uint8), ref_q.view(torch.uint8))
+
+
+@device_test
+@pytest.mark.parametrize("size", SIZE_NAMES)
+@pytest.mark.parametrize("m", [1, 5, 64, 70])
+def test_stock_block_fp8_matches_reference(size, m):
+    """Stock's CUDA path (quantizer + tiled block-FP8 GEMM) against the reference, segment edges included."""
+    use_triton()
+    from dep_compile.stock import fp8_block_cuda  # noqa: PLC0415 - CUDA / interpreter only
+
+    segments, k = SIZES[size]
+    x, w, s = _case(segments, k, m, seed=m + 50)
+    ref = fp8_block_linear(x, w, s, segments)
+    out = fp8_block_cuda.block_fp8_linear(x.to(DEV), w.to(DEV), s.to(DEV), segments).cpu()
+    err = float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
+    assert _within(out, ref), f"max err {err:.3e} of the largest value (M={m}, {size})"
