@@ -46,8 +46,10 @@ def _case(segments: list[int], k: int, m: int, seed: int):
 
 
 def _run(kernel, x, w, s, rows, tactic):
+    from dep_compile.ops.splitk_triton import splitk_workspace  # noqa: PLC0415 - CUDA / interpreter only
+
     out = torch.full((x.shape[0], w.shape[0]), float("nan"), dtype=torch.bfloat16, device=DEV)
-    ws = torch.zeros(1 << 20, dtype=torch.float32, device=DEV) if tactic.split_k > 1 else None
+    ws = splitk_workspace(x.shape[0], w.shape[0], tactic, DEV) if tactic.split_k > 1 else None
     kernel.fp8_splitk_linear(x.to(DEV), w.to(DEV), s.to(DEV), rows.int().to(DEV), out, tactic, ws)
     assert torch.isfinite(out).all(), "outputs not written"
     return out.cpu()
@@ -122,14 +124,17 @@ def test_quantize_is_stocks_bit_for_bit(shape):
 @device_test
 @pytest.mark.parametrize("size", SIZE_NAMES)
 @pytest.mark.parametrize("m", [1, 5, 64, 70])
-def test_stock_block_fp8_matches_reference(size, m):
-    """Stock's CUDA path (quantizer + tiled block-FP8 GEMM) against the reference, segment edges included."""
+@pytest.mark.parametrize("path", ["block_fp8_linear", "block_fp8_gemm"])
+def test_stock_block_fp8_matches_reference(size, m, path):
+    """Stock's CUDA paths (quantizer + cuBLAS's blockwise GEMM per segment run, padded to 4 rows; quantizer + the
+    plain Triton GEMM) against the reference, segment edges included. The interpreter has no cuBLAS: there
+    ``block_fp8_linear`` takes the Triton path too."""
     use_triton()
     from dep_compile.stock import fp8_block_cuda  # noqa: PLC0415 - CUDA / interpreter only
 
     segments, k = SIZES[size]
     x, w, s = _case(segments, k, m, seed=m + 50)
     ref = fp8_block_linear(x, w, s, segments)
-    out = fp8_block_cuda.block_fp8_linear(x.to(DEV), w.to(DEV), s.to(DEV), segments).cpu()
+    out = getattr(fp8_block_cuda, path)(x.to(DEV), w.to(DEV), s.to(DEV), segments).cpu()
     err = float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
     assert _within(out, ref), f"max err {err:.3e} of the largest value (M={m}, {size})"
