@@ -84,18 +84,34 @@ LAYOUTS = {  # name -> (activation scales [M, K/128], weight scales [N/128, K/12
     "a col-major, b [K/128,N/128] row-major": (lambda a: a.t().contiguous().t(), lambda b: b.t().contiguous()),
     "a col-major, b [N/128,K/128] col-major": (lambda a: a.t().contiguous().t(), lambda b: b.t().contiguous().t()),
     "a row-major, b [K/128,N/128] view": (lambda a: a, lambda b: b.t()),
+    "a col-major, b [K/128,N/128] view": (lambda a: a.t().contiguous().t(), lambda b: b.t()),
 }
 
 
-def scaled_mm_linear(x, w, s, segments, layout):
-    """Stock candidate: torch's activation quantization, then one blockwise ``torch._scaled_mm`` per row segment
-    (a 128-row block may not span two segments), concatenated."""
-    fa, fb = LAYOUTS[layout]
-    xq, xs = fp8_block.quantize_activations(x)
+def _torch_scaled_mm(xq, wt, sa, sb):
+    return torch._scaled_mm(xq, wt, sa, sb, out_dtype=torch.bfloat16)
+
+
+def _f_scaled_mm(xq, wt, sa, sb):
+    F = torch.nn.functional
+    return F.scaled_mm(xq, wt, sa, F.ScalingType.BlockWise1x128, sb, F.ScalingType.BlockWise128x128,
+                       output_dtype=torch.bfloat16)
+
+
+APIS = {"torch._scaled_mm": _torch_scaled_mm, "F.scaled_mm": _f_scaled_mm}
+
+
+def scaled_mm_linear(x, w, s, segments, choice):
+    """Stock candidate: stock's activation quantizer, then one blockwise scaled matmul per row segment (a 128-row
+    block may not span two segments), concatenated. ``choice``: (API name, layout name) from the probe."""
+    from dep_compile.stock.fp8_block_cuda import quantize_activations  # noqa: PLC0415 - CUDA only
+
+    api, (fa, fb) = APIS[choice[0]], LAYOUTS[choice[1]]
+    xq, xs = quantize_activations(x)
     sa, outs, r0, b0 = fa(xs), [], 0, 0
     for n in segments:
         nb = fp8_block.blocks(n)
-        outs.append(torch._scaled_mm(xq, w[r0:r0 + n].t(), sa, fb(s[b0:b0 + nb]), out_dtype=torch.bfloat16))
+        outs.append(api(xq, w[r0:r0 + n].t(), sa, fb(s[b0:b0 + nb])))
         r0, b0 = r0 + n, b0 + nb
     return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
 
@@ -111,26 +127,15 @@ def probe_scaled_mm() -> tuple[list[str], str | None]:
     xq, xs = fp8_block.quantize_activations(x)
     ref = reference(x, w, s, [N])
     lines, good = [f"torch {torch.__version__}, CUDA {torch.version.cuda}"], None
-    for name, (fa, fb) in LAYOUTS.items():
-        try:
-            out = torch._scaled_mm(xq, w.t(), fa(xs), fb(s), out_dtype=torch.bfloat16)
-            err = errors(out, ref)[0]
-            lines.append(f"  ok   {name}: max err {err:.2e}")
-            if good is None and err < 1e-2:
-                good = name
-        except Exception as e:  # noqa: BLE001 - the probe reports every failure
-            lines.append(f"  fail {name}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
-    F = torch.nn.functional
-    if hasattr(F, "scaled_mm") and hasattr(F, "ScalingType"):  # the explicit-recipe API of newer torch
+    for api_name, api in APIS.items():
         for name, (fa, fb) in LAYOUTS.items():
             try:
-                out = F.scaled_mm(xq, w.t(), fa(xs), F.ScalingType.BlockWise1x128, fb(s), F.ScalingType.BlockWise128x128,
-                                  output_dtype=torch.bfloat16)
-                lines.append(f"  ok   F.scaled_mm {name}: max err {errors(out, ref)[0]:.2e}")
-            except Exception as e:  # noqa: BLE001
-                lines.append(f"  fail F.scaled_mm {name}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
-    else:
-        lines.append("  torch.nn.functional.scaled_mm / ScalingType: not in this torch")
+                err = errors(api(xq, w.t(), fa(xs), fb(s)), ref)[0]
+                lines.append(f"  ok   {api_name} {name}: max err {err:.2e}")
+                if good is None and err < 1e-2:
+                    good = (api_name, name)
+            except Exception as e:  # noqa: BLE001 - the probe reports every failure
+                lines.append(f"  fail {api_name} {name}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
     return lines, good
 
 

@@ -47,7 +47,8 @@ class DepOptions:
         "kinds": "subset of ('dsa', 'kda', 'moe', 'attn_res') to rewrite (attn_res: the AttnRes -> RMSNorm "
                  "points); MLA is never rewritten",
         "projection_tables": "{'dsa_qkv_a_g_index'|'kda_in_proj'|'moe_front': {max_rows: SplitK|'cublas'}}; a "
-                             "projection not named: the measured H200 table on CUDA, torch.mm elsewhere",
+                             "projection not named: the measured H200 table on CUDA, torch.mm elsewhere (BF16 "
+                             "weights; FP8 block-scaled ones run tactics.DEP_PROJECTION_FP8 on CUDA)",
         "oproj_table": "{max_rows: SplitK|'cublas'} for the 7168 x 12288 o_proj; unset: the measured H200 table on "
                        "CUDA, torch.mm elsewhere",
         "front_max": "MoE batches above this many rows run the stock path (FRONT_MAX)",
@@ -86,11 +87,16 @@ class DepOptions:
     def _bad(name: str, expected: str, value: Any) -> ValueError:
         return ValueError(f"kimi_dep: {name}: expected {expected}, got {value!r}")
 
-    def tables_for(self, device: Any) -> tuple[dict, dict]:
+    def tables_for(self, device: Any, fp8: bool = False) -> tuple[dict, dict]:
         """(projection tables, o_proj table) for a layer on ``device``: the tables set in the options; for the
         others, on CUDA the measured H200 defaults (``tactics``), elsewhere none (torch.mm, so the rewritten
-        ops compute what stock computes; a table set in the options runs the split-K contract in torch)."""
+        ops compute what stock computes; a table set in the options runs the split-K contract in torch).
+        ``fp8``: FP8 block-scaled weights, whose tables are the measured FP8 ones on CUDA and none elsewhere
+        (stock's FP8 op); the options' tables are for BF16 weights."""
         cuda = getattr(device, "type", device) == "cuda"
+        if fp8:
+            return ({name: dict(table) if cuda else {} for name, table in tactics.DEP_PROJECTION_FP8.items()},
+                    dict(tactics.DEP_OPROJ_FP8) if cuda else {})
         proj = {name: self.projection_tables.get(name, table if cuda else {})
                 for name, table in tactics.DEP_PROJECTION.items()}
         oproj = self.oproj_table if self.oproj_table is not None else (tactics.DEP_OPROJ if cuda else {})

@@ -63,6 +63,27 @@ DEP_OPROJ: dict[int, Tactic] = {
     64: SplitK(1, 64, 128, 4, 6),
 }
 
+# FP8 block-scaled weights (``ops/splitk_fp8_triton.py``; block_k is 128, one scale block a step), measured on the
+# H200 on 2026-12-02 with benchmarks/bench_projection_fp8.py (7 tactics at 1-64 rows; docs/perf.md): the winner
+# of the sweep per bin. Every split-K entry beat stock's FP8 path (cuBLAS's blockwise GEMM, torch._scaled_mm, at
+# 4+ rows; the plain Triton GEMM at 1-2) at every row count. A table's rows past its last bin, and every CPU
+# call, run stock's FP8 op (the CUBLAS tactic of FP8 weights).
+DEP_PROJECTION_FP8: dict[str, dict[int, Tactic]] = {
+    # 14560 x 7168: 3.42 TB/s (weight + scale bytes) at 1 row, 3.20 at 32, 2.84 at 64; 1.6-1.9x stock.
+    "dsa_qkv_a_g_index": {8: SplitK(2, 64, 128, 4, 4), 64: SplitK(1, 64, 128, 4, 6)},
+    # 49376 x 7168: 4.14 TB/s at 1 row, 3.82 at 32, 3.19 at 64; 1.03-1.58x stock.
+    "kda_in_proj": {32: SplitK(1, 64, 128, 4, 6), 64: SplitK(1, 64, 128, 4, 4)},
+    # 15872 x 7168: 3.49 TB/s at 1 row, 3.30 at 32, 2.98 at 64; 1.08-1.56x stock.
+    "moe_front": {1: SplitK(1, 64, 128, 4, 6), 2: SplitK(2, 64, 128, 4, 4), 64: SplitK(1, 64, 128, 4, 6)},
+}
+# 7168 x 12288: 3.15 TB/s at 1 row, 2.67 at 32, 2.29 at 64; 1.06-1.36x stock.
+DEP_OPROJ_FP8: dict[int, Tactic] = {
+    8: SplitK(4, 64, 128, 4, 4),
+    16: SplitK(2, 64, 128, 4, 4),
+    32: SplitK(4, 64, 128, 4, 4),
+    64: SplitK(2, 128, 128, 4, 4),
+}
+
 
 def lookup(table: TacticTable, rows: int) -> Tactic:
     """The tactic a table names for a batch of ``rows`` rows (cuBLAS past the last bin)."""
