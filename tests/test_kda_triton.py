@@ -250,3 +250,24 @@ def test_kda_decode_core_tuning_knobs(size, B, q_len, kw):
     check(c, q_len, run_kernel(kt, c, q_len), ref)  # the defaults, then the knob on the states they left
     ref = reference(c, q_len)
     check(c, q_len, run_kernel(kt, c, q_len, **kw), ref)
+
+
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_kda_decode_core_reads_a_precomputed_raw_gate(q_len):
+    """``f_b_w`` None (an FP8 f_b_proj applied outside): the kernel reads f_a as the raw gate [T, H*D] and computes
+    what it computes from the BF16 F_B, to the bit (the gate is the same BF16 tensor either way)."""
+    kt = _kt()
+    H, D, Fr = SIZES["small"]
+    c = make_case(H, D, Fr, 4, q_len, seed=77 + q_len, device=_DEV)
+    d = {n: x.clone() for n, x in c.items()}
+    out = run_kernel(kt, c, q_len)
+    g_raw = F.linear(d["f_a"].cpu(), d["f_b_w"].cpu()).to(_DEV)
+    why = kt.kda_decode_unsupported(d["q"], d["k"], d["v"], g_raw, None, d["beta"], d["g_out"], d["conv_w"],
+                                    d["A_log"], d["dt_bias"], d["o_norm_w"], d["conv_state"], d["rec_state"],
+                                    d["state_indices"], d["accepted"], q_len)
+    assert why is None, why
+    got = kt.kda_decode_core(d["q"], d["k"], d["v"], g_raw, None, d["beta"], d["g_out"], d["conv_w"], d["A_log"],
+                             d["dt_bias"], d["o_norm_w"], d["conv_state"], d["rec_state"], d["state_indices"],
+                             d["accepted"], q_len, LOWER_BOUND, NORM_EPS)
+    assert torch.equal(got, out)
+    assert torch.equal(d["rec_state"], c["rec_state"]) and torch.equal(d["conv_state"], c["conv_state"])

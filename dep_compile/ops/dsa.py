@@ -15,6 +15,7 @@ from torch import Tensor
 
 from ..stock import ops as stock_ops
 from ..stock.reference.mla import split_kv_b
+from .dense import dense_linear, dense_weight
 from .fallbacks import log_fallback
 from .packing import packed_rows
 from .projection import DepProjection
@@ -53,10 +54,10 @@ class PreparedDsa:
         """MLA side (q_a norm, q_b) and indexer side (wq_b) of the query, plus the latent entry."""
         T = q_a.shape[0]
         q_a = F.rms_norm(q_a.float(), (self.q_lora,), q_a_norm_w.float(), self.q_a_eps).to(q_a.dtype)
-        q = F.linear(q_a, q_b_w).view(T, self.heads, self.nope + self.rope)
+        q = dense_linear(q_a, q_b_w).view(T, self.heads, self.nope + self.rope)
         c_kv, k_rope = kv_a.split([self.kv_lora, self.rope], -1)
         c_kv = F.rms_norm(c_kv.float(), (self.kv_lora,), kv_a_norm_w.float(), self.kv_a_eps).to(kv_a.dtype)
-        q_idx = F.linear(q_a, wq_b_w).view(T, self.index_heads, self.index_dim)
+        q_idx = dense_linear(q_a, wq_b_w).view(T, self.index_heads, self.index_dim)
         return q, torch.cat([c_kv, k_rope], -1), q_idx
 
     def core_torch(self, q_a, kv_a, gate, k_idx, w_idx, q_a_norm_w, kv_a_norm_w, q_b_w, kv_b_w, wq_b_w, k_norm_w,
@@ -110,7 +111,7 @@ class PreparedDsa:
         inserted.record(main)
         with torch.cuda.stream(side):
             side.wait_event(forked)
-            q_idx = F.linear(q_a, wq_b_w).view(T, self.index_heads, self.index_dim)
+            q_idx = dense_linear(q_a, wq_b_w).view(T, self.index_heads, self.index_dim)
             side.wait_event(inserted)
             logits = index_logits(q_idx, w_idx, index_cache, index_scale, block_table, seq_lens, slot_mapping,
                                   q_len)
@@ -120,7 +121,7 @@ class PreparedDsa:
             selected.record(side)
         for t in (q_a, w_idx):
             t.record_stream(side)
-        q = F.linear(q_a, q_b_w).view(T, self.heads, self.nope + self.rope)
+        q = dense_linear(q_a, q_b_w).view(T, self.heads, self.nope + self.rope)
         latent_insert(kv_a, kv_a_norm_w, self.kv_a_eps, kv_cache, slot_mapping, kv_scale=kv_scale)
         w_uk, w_uv = split_kv_b(kv_b_w, self.heads, self.nope)  # [H, nope, L], [H, v, L]
         query = absorb_query(q, w_uk)  # [T, H, L+R] BF16
@@ -165,14 +166,19 @@ class PreparedDsa:
 
     def forward(self, x, proj_ws, q_a_norm_w, kv_a_norm_w, q_b_w, kv_b_w, wq_b_w, k_norm_w, k_norm_b, o_proj_w,
                 kv_cache, index_cache, index_scale, slot_mapping, block_table, seq_lens, q_len: int,
-                kv_scale: Tensor | None = None) -> Tensor:
+                kv_scale: Tensor | None = None, scales: list[Tensor] = ()) -> Tensor:
+        """``scales``: FP8 block-scaled projections' scales, [*proj_ws', q_b, wq_b, o_proj] (empty: BF16 weights)."""
         self.check_latent_cache(kv_cache, kv_scale)
+        n = len(proj_ws)
+        s = list(scales) or [None] * (n + 3)
         packed = packed_rows(proj_ws, "DSA projection")  # [q_a | kv_a | gate | wk | wv] rows
-        parts = self.projection(x, packed).split(self.split_sizes, -1)  # q_a, kv_a, gate, k_idx, w_idx
+        packed_s = packed_rows(s[:n], "DSA projection scales") if scales else None
+        parts = self.projection(x, packed, packed_s).split(self.split_sizes, -1)  # q_a, kv_a, gate, k_idx, w_idx
         core = self.core_triton if self.runs_triton(kv_cache, index_cache, kv_scale) else self.core_torch
-        o = core(*parts, q_a_norm_w, kv_a_norm_w, q_b_w, kv_b_w, wq_b_w, k_norm_w, k_norm_b, kv_cache, index_cache,
-                 index_scale, slot_mapping, block_table, seq_lens, q_len, kv_scale)
-        return self.o_proj(o, o_proj_w)
+        o = core(*parts, q_a_norm_w, kv_a_norm_w, dense_weight(q_b_w, s[n]), kv_b_w, dense_weight(wq_b_w, s[n + 1]),
+                 k_norm_w, k_norm_b, kv_cache, index_cache, index_scale, slot_mapping, block_table, seq_lens, q_len,
+                 kv_scale)
+        return self.o_proj(o, o_proj_w, s[n + 2])
 
 
 @torch.library.custom_op("kimi_dep::dsa_attention", mutates_args=("kv_cache", "index_cache", "index_scale"))
@@ -180,6 +186,7 @@ def dsa_attention(
     x: Tensor, proj_ws: list[Tensor], q_a_norm_w: Tensor, kv_a_norm_w: Tensor, q_b_w: Tensor, kv_b_w: Tensor,
     wq_b_w: Tensor, k_norm_w: Tensor, k_norm_b: Tensor, o_proj_w: Tensor, kv_cache: Tensor, index_cache: Tensor,
     index_scale: Tensor, slot_mapping: Tensor, block_table: Tensor, seq_lens: Tensor, q_len: int, layer: str,
+    scales: list[Tensor],
 ) -> Tensor:
     """A whole DSA attention layer at TP1: x [T, hidden] -> [T, hidden]; mutates the three caches.
 
@@ -187,15 +194,17 @@ def dsa_attention(
     [fused, wk_weights_proj]), adjacent views of one [q_lora + kv_lora + rope + H*v + Di + Hi,
     hidden] tensor (14560 rows at full size) once packed (dep_compile.ops.packing);
     caches and metadata as ``kimi_k3::dsa_indexer`` / ``kimi_k3::sparse_mla_decode``.
+    FP8 block-scaled projections: the weights are e4m3 codes and ``scales`` their FP32 block scales, in the
+    order [*proj_ws, q_b, wq_b, o_proj] (``stock/fp8_block.py``); empty for BF16 weights.
     """
     return lookup(layer).forward(x, proj_ws, q_a_norm_w, kv_a_norm_w, q_b_w, kv_b_w, wq_b_w, k_norm_w, k_norm_b,
                                  o_proj_w, kv_cache, index_cache, index_scale, slot_mapping, block_table, seq_lens,
-                                 q_len)
+                                 q_len, scales=scales)
 
 
 @dsa_attention.register_fake
 def _(x, proj_ws, q_a_norm_w, kv_a_norm_w, q_b_w, kv_b_w, wq_b_w, k_norm_w, k_norm_b, o_proj_w, kv_cache,
-      index_cache, index_scale, slot_mapping, block_table, seq_lens, q_len, layer):
+      index_cache, index_scale, slot_mapping, block_table, seq_lens, q_len, layer, scales):
     return x.new_empty(x.shape[0], o_proj_w.shape[0])
 
 
@@ -205,16 +214,16 @@ def dsa_attention_fp8(
     x: Tensor, proj_ws: list[Tensor], q_a_norm_w: Tensor, kv_a_norm_w: Tensor, q_b_w: Tensor, kv_b_w: Tensor,
     wq_b_w: Tensor, k_norm_w: Tensor, k_norm_b: Tensor, o_proj_w: Tensor, kv_cache: Tensor, kv_scale: Tensor,
     index_cache: Tensor, index_scale: Tensor, slot_mapping: Tensor, block_table: Tensor, seq_lens: Tensor,
-    q_len: int, layer: str,
+    q_len: int, layer: str, scales: list[Tensor],
 ) -> Tensor:
     """``dsa_attention`` on an FP8 e4m3 latent cache ``kv_cache [NB, BS, L+R]`` with per-token
     power-of-two scales ``kv_scale [NB, BS]`` FP32; mutates the four caches."""
     return lookup(layer).forward(x, proj_ws, q_a_norm_w, kv_a_norm_w, q_b_w, kv_b_w, wq_b_w, k_norm_w, k_norm_b,
                                  o_proj_w, kv_cache, index_cache, index_scale, slot_mapping, block_table, seq_lens,
-                                 q_len, kv_scale)
+                                 q_len, kv_scale, scales)
 
 
 @dsa_attention_fp8.register_fake
 def _(x, proj_ws, q_a_norm_w, kv_a_norm_w, q_b_w, kv_b_w, wq_b_w, k_norm_w, k_norm_b, o_proj_w, kv_cache, kv_scale,
-      index_cache, index_scale, slot_mapping, block_table, seq_lens, q_len, layer):
+      index_cache, index_scale, slot_mapping, block_table, seq_lens, q_len, layer, scales):
     return x.new_empty(x.shape[0], o_proj_w.shape[0])

@@ -31,7 +31,9 @@ name                shape / dtype               notes
 ``q, k, v``         ``[T, H*D]`` bf16           before the conv; row stride free, unit inner
 ``g_out``           ``[T, H*D]`` bf16           output gate logits; row stride free
 ``f_a``             ``[T, F]`` bf16             row stride free
-``f_b_w``           ``[H*D, F]`` bf16           row stride free
+``f_b_w``           ``[H*D, F]`` bf16           row stride free; or None: then ``f_a`` is the raw
+                                               gate ``[T, H*D]`` bf16, F_B applied outside (an FP8
+                                               ``f_b_proj``: stock's FP8 linear)
 ``beta``            ``[T, H]`` bf16/fp32        logits; row stride free
 ``conv_w``          ``[3*H*D, W]`` any float    any strides
 ``A_log``           ``[H]`` fp32                contiguous
@@ -107,18 +109,23 @@ def _store_taps(cs_base, stride_cs_w, win, ch, keep, W: tl.constexpr, WP: tl.con
 
 @triton.jit
 def _gates(fa_ptr, stride_fa, beta_ptr, stride_beta, tok, h, fbw_ptr, stride_fbw, ch, D: tl.constexpr,
-           F: tl.constexpr, FB: tl.constexpr):
+           F: tl.constexpr, FB: tl.constexpr, GRAW: tl.constexpr):
     """Token ``tok``'s raw decay gate for channels ``ch`` and head ``h``'s beta: (``f_a[tok] @
     f_b_w[ch]^T`` in FP32, FB columns of ``f_b_w`` at a time (bounded registers), rounded to BF16
-    as the reference's ``F.linear``, as FP32 ``[D]``; ``sigmoid(beta[tok, h])``)."""
+    as the reference's ``F.linear``, as FP32 ``[D]``; ``sigmoid(beta[tok, h])``). ``GRAW``: ``fa_ptr``
+    holds the raw gate itself ([T, H*D] BF16, F_B applied outside), read as it is."""
     beta = _sigmoid(tl.load(beta_ptr + tok * stride_beta + h).to(tl.float32))
-    offs_fb = tl.arange(0, FB)
-    g_acc = tl.zeros([D], dtype=tl.float32)
-    for f0 in tl.static_range(0, F, FB):
-        fa = tl.load(fa_ptr + tok * stride_fa + f0 + offs_fb).to(tl.float32)
-        fbw = tl.load(fbw_ptr + ch.to(tl.int64)[:, None] * stride_fbw + (f0 + offs_fb)[None, :])
-        g_acc += tl.sum(fbw.to(tl.float32) * fa[None, :], axis=1)
-    return g_acc.to(tl.bfloat16).to(tl.float32), beta
+    if GRAW:
+        g_raw = tl.load(fa_ptr + tok * stride_fa + ch).to(tl.float32)
+    else:
+        offs_fb = tl.arange(0, FB)
+        g_acc = tl.zeros([D], dtype=tl.float32)
+        for f0 in tl.static_range(0, F, FB):
+            fa = tl.load(fa_ptr + tok * stride_fa + f0 + offs_fb).to(tl.float32)
+            fbw = tl.load(fbw_ptr + ch.to(tl.int64)[:, None] * stride_fbw + (f0 + offs_fb)[None, :])
+            g_acc += tl.sum(fbw.to(tl.float32) * fa[None, :], axis=1)
+        g_raw = g_acc.to(tl.bfloat16).to(tl.float32)
+    return g_raw, beta
 
 
 @triton.jit
@@ -134,6 +141,7 @@ def _kda_decode_kernel(
     lower_bound, norm_eps,
     H: tl.constexpr, D: tl.constexpr, F: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
     Q_LEN: tl.constexpr, ST_V: tl.constexpr, ST_K: tl.constexpr, FB: tl.constexpr,
+    GRAW: tl.constexpr = False,  # fa_ptr holds the raw gate [T, H*D] (F_B applied outside), fbw_ptr unused
 ):
     pid = tl.program_id(0)
     b = pid // H
@@ -161,7 +169,7 @@ def _kda_decode_kernel(
     # they waited for the slot (1.2x slower at 16-64 requests, docs/perf_kda.md).
     if Q_LEN == 1:
         g_first, beta_first = _gates(fa_ptr, stride_fa, beta_ptr, stride_beta, tok0.to(tl.int64), h, fbw_ptr,
-                                     stride_fbw, ch, D, F, FB)
+                                     stride_fbw, ch, D, F, FB, GRAW)
 
     slot = tl.load(idx_ptr + b).to(tl.int64)
     acc = tl.load(acc_ptr + b).to(tl.int32)
@@ -207,7 +215,8 @@ def _kda_decode_kernel(
         if Q_LEN == 1:
             g_raw, beta = g_first, beta_first
         else:
-            g_raw, beta = _gates(fa_ptr, stride_fa, beta_ptr, stride_beta, tok, h, fbw_ptr, stride_fbw, ch, D, F, FB)
+            g_raw, beta = _gates(fa_ptr, stride_fa, beta_ptr, stride_beta, tok, h, fbw_ptr, stride_fbw, ch, D, F, FB,
+                                 GRAW)
         decay = tl.exp(lower_bound * _sigmoid(a * (g_raw + dtb)))
 
         S = S * decay[None, :]
@@ -254,7 +263,7 @@ def kda_decode_unsupported(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_b
     if H == 0 or HD % H or T % q_len:
         return "inconsistent shapes"
     D = HD // H
-    F = f_a.shape[-1]
+    F = f_a.shape[-1] if f_b_w is not None else 1  # f_b_w None: f_a is the raw gate [T, HD]
     W = conv_w.shape[-1]
     if not (_pow2(D) and _pow2(F)):
         return f"head dim {D} / f rank {F} not powers of two"
@@ -264,8 +273,10 @@ def kda_decode_unsupported(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_b
         return "recurrent state not [S, H, D, D] fp32"
     if tuple(conv_state.shape[1:]) != (W - 1, 3 * HD) or conv_state.stride(2) != 1:
         return "conv state not [S, W-1, 3HD] with unit channel stride"
-    if tuple(f_b_w.shape) != (HD, F) or f_b_w.stride(1) != 1:
+    if f_b_w is not None and (tuple(f_b_w.shape) != (HD, F) or f_b_w.stride(1) != 1):
         return "f_b_w not [HD, F] with unit inner stride"
+    if f_b_w is None and tuple(f_a.shape) != (T, HD):
+        return "the raw gate (f_a without f_b_w) not [T, HD]"
     for name, t in (("q", q), ("k", k), ("v", v), ("g_out", g_out)):
         if tuple(t.shape) != (T, HD) or t.stride(1) != 1:
             return f"{name} not [T, HD] with unit inner stride"
@@ -287,7 +298,8 @@ def kda_decode_core(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_bias, o_
     """The KDA core of one decode / verify step in one launch; mutates ``conv_state`` and ``rec_state``.
 
     Arguments in :class:`PreparedKda.core` order (shapes in the module docstring):
-    q, k, v [T, H*D] bf16; f_a [T, F] bf16; f_b_w [H*D, F] bf16; beta [T, H] logits;
+    q, k, v [T, H*D] bf16; f_a [T, F] bf16; f_b_w [H*D, F] bf16 (or None: f_a is the raw gate [T, H*D] bf16,
+    F_B applied outside); beta [T, H] logits;
     g_out [T, H*D] bf16; conv_w [3*H*D, W]; A_log [H] fp32; dt_bias [H*D] fp32; o_norm_w [D];
     conv_state [S, W-1, 3*H*D] bf16; rec_state [S, H, D, D] fp32 (value-major);
     state_indices [B] (-1 = padding); accepted [B] in 0..q_len. Returns [T, H*D] bf16
@@ -303,7 +315,8 @@ def kda_decode_core(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_bias, o_
     T, HD = q.shape
     H = beta.shape[-1]
     D = HD // H
-    F = f_a.shape[-1]
+    graw = f_b_w is None
+    F = 1 if graw else f_a.shape[-1]
     W = conv_w.shape[-1]
     B = T // q_len
     if out is None:
@@ -312,16 +325,16 @@ def kda_decode_core(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_bias, o_
         return out
     _kda_decode_kernel[(B * H,)](
         q, k, v, g_out, f_a, beta,
-        f_b_w, conv_w, A_log, dt_bias, o_norm_w,
+        f_a if graw else f_b_w, conv_w, A_log, dt_bias, o_norm_w,
         conv_state, rec_state, state_indices, accepted, out,
         q.stride(0), k.stride(0), v.stride(0), g_out.stride(0), f_a.stride(0), beta.stride(0),
-        f_b_w.stride(0), conv_w.stride(0), conv_w.stride(1),
+        0 if graw else f_b_w.stride(0), conv_w.stride(0), conv_w.stride(1),
         conv_state.stride(0), conv_state.stride(1),
         rec_state.stride(0), rec_state.stride(1),
         out.stride(0),
         float(lower_bound), float(norm_eps),
         H=H, D=D, F=F, W=W, WP=triton.next_power_of_2(W), Q_LEN=int(q_len),
-        ST_V=rec_state.stride(2), ST_K=rec_state.stride(3), FB=min(F, fb),
+        ST_V=rec_state.stride(2), ST_K=rec_state.stride(3), FB=min(F, fb), GRAW=graw,
         num_warps=num_warps,
         **({"maxnreg": int(maxnreg)} if maxnreg else {}),
     )

@@ -12,6 +12,7 @@ from torch import Tensor
 from ..stock.layers import renormalized_topk, situ
 from ..stock.moe import stock_routed_experts
 from ..stock.mxfp4 import Mxfp4Weight
+from .dense import dense_linear, dense_weight
 from .packing import packed_rows
 from .projection import DepProjection
 from .registry import lookup, prepared
@@ -49,12 +50,14 @@ class EpMoeLayer:
         scores = torch.sigmoid(logits)
         return renormalized_topk(scores, scores + bias, self.top_k, self.scale)
 
-    def front_gemm(self, x: Tensor, front_ws: list[Tensor]) -> tuple[Tensor, Tensor]:
-        """(shared gate_up [T, 2*SI], latent [T, Lat]): one packed GEMM, or stock's two above FRONT_MAX."""
-        if x.shape[0] > self.front_max:
+    def front_gemm(self, x: Tensor, front_ws: list[Tensor], front_s: list[Tensor] | None) -> tuple[Tensor, Tensor]:
+        """(shared gate_up [T, 2*SI], latent [T, Lat]): one packed GEMM, or stock's two above FRONT_MAX (FP8: stock's
+        op on the packed weight, which computes each row as the two would)."""
+        if x.shape[0] > self.front_max and front_s is None:
             return F.linear(x, front_ws[0]), F.linear(x, front_ws[1])
         front = packed_rows(front_ws, "MoE front")  # [shared gate_up | latent down] rows
-        return self.front(x, front).split([2 * self.shared_inter, self.latent], -1)
+        scale = None if front_s is None else packed_rows(front_s, "MoE front scales")
+        return self.front(x, front, scale).split([2 * self.shared_inter, self.latent], -1)
 
     def experts_tail(self, latent, topk_w, topk_ids, w13, w2, norm_w, up_w) -> Tensor:
         """Routed experts -> latent RMSNorm -> up-projection: [T, hidden] BF16.
@@ -76,17 +79,22 @@ class EpMoeLayer:
             routed = rms_norm_fused(routed, norm_w, self.norm_eps)
         else:
             routed = F.rms_norm(routed.float(), (self.latent,), norm_w.float(), self.norm_eps).to(latent.dtype)
-        return F.linear(routed, up_w)
+        return dense_linear(routed, up_w)
 
-    def forward(self, x, front_ws, gate_w, bias, w13, w2, norm_w, up_w, shared_down_w) -> Tensor:
+    def forward(self, x, front_ws, gate_w, bias, w13, w2, norm_w, up_w, shared_down_w,
+                scales: list[Tensor] = ()) -> Tensor:
+        """``scales``: FP8 block-scaled projections' scales, [*front_ws', up, shared down] (empty: BF16 weights)."""
+        front_s = list(scales[:2]) or None
+        if scales:
+            up_w, shared_down_w = dense_weight(up_w, scales[2]), dense_weight(shared_down_w, scales[3])
         if x.is_cuda:
-            return self.forward_streams(x, front_ws, gate_w, bias, w13, w2, norm_w, up_w, shared_down_w)
-        gate_up, latent = self.front_gemm(x, front_ws)
+            return self.forward_streams(x, front_ws, front_s, gate_w, bias, w13, w2, norm_w, up_w, shared_down_w)
+        gate_up, latent = self.front_gemm(x, front_ws, front_s)
         topk_w, topk_ids = self.route(x, gate_w, bias)
-        shared = F.linear(situ(gate_up, self.beta, self.beta_lin), shared_down_w)
+        shared = dense_linear(situ(gate_up, self.beta, self.beta_lin), shared_down_w)
         return self.experts_tail(latent, topk_w, topk_ids, w13, w2, norm_w, up_w) + shared
 
-    def forward_streams(self, x, front_ws, gate_w, bias, w13, w2, norm_w, up_w, shared_down_w) -> Tensor:
+    def forward_streams(self, x, front_ws, front_s, gate_w, bias, w13, w2, norm_w, up_w, shared_down_w) -> Tensor:
         """The same math with the router and the shared expert on a side stream.
 
         main: front GEMM ----------> experts -> norm -> up ----> + shared
@@ -105,12 +113,12 @@ class EpMoeLayer:
             topk_w, topk_ids = self.route(x, gate_w, bias)
             routed_ready = torch.cuda.Event()
             routed_ready.record(side)
-        gate_up, latent = self.front_gemm(x, front_ws)
+        gate_up, latent = self.front_gemm(x, front_ws, front_s)
         front_ready = torch.cuda.Event()
         front_ready.record(main)
         with torch.cuda.stream(side):
             side.wait_event(front_ready)
-            shared = F.linear(situ_fused(gate_up, self.beta, self.beta_lin), shared_down_w)
+            shared = dense_linear(situ_fused(gate_up, self.beta, self.beta_lin), shared_down_w)
             shared_ready = torch.cuda.Event()
             shared_ready.record(side)
         main.wait_event(routed_ready)
@@ -126,7 +134,7 @@ class EpMoeLayer:
 @torch.library.custom_op("kimi_dep::moe", mutates_args=())
 def moe(
     x: Tensor, front_ws: list[Tensor], gate_w: Tensor, bias: Tensor, w13: Tensor, w2: Tensor, norm_w: Tensor,
-    up_w: Tensor, shared_down_w: Tensor, layer: str,
+    up_w: Tensor, shared_down_w: Tensor, layer: str, scales: list[Tensor],
 ) -> Tensor:
     """A whole K3 MoE layer: x [T, hidden] -> [T, hidden].
 
@@ -134,12 +142,14 @@ def moe(
     [2*SI + Lat, hidden] tensor once packed (15872 rows at full size);
     gate_w: [E, hidden]; bias: [E] FP32; w13: [E_local, 2I, Lat]; w2: [E_local, Lat, I];
     norm_w: [Lat]; up_w: [hidden, Lat]; shared_down_w: [hidden, SI].
+    FP8 block-scaled projections: front_ws, up_w and shared_down_w are e4m3 codes and ``scales`` their FP32
+    block scales [*front_ws, up, shared down] (``stock/fp8_block.py``); empty for BF16. The router stays BF16.
     """
-    return lookup(layer).forward(x, front_ws, gate_w, bias, w13, w2, norm_w, up_w, shared_down_w)
+    return lookup(layer).forward(x, front_ws, gate_w, bias, w13, w2, norm_w, up_w, shared_down_w, scales)
 
 
 @moe.register_fake
-def _(x, front_ws, gate_w, bias, w13, w2, norm_w, up_w, shared_down_w, layer):
+def _(x, front_ws, gate_w, bias, w13, w2, norm_w, up_w, shared_down_w, layer, scales):
     return torch.empty_like(x)
 
 
@@ -147,6 +157,7 @@ def _(x, front_ws, gate_w, bias, w13, w2, norm_w, up_w, shared_down_w, layer):
 def moe_mxfp4(
     x: Tensor, front_ws: list[Tensor], gate_w: Tensor, bias: Tensor, w13_packed: Tensor, w13_scale: Tensor,
     w2_packed: Tensor, w2_scale: Tensor, norm_w: Tensor, up_w: Tensor, shared_down_w: Tensor, layer: str,
+    scales: list[Tensor],
 ) -> Tensor:
     """``moe`` on MXFP4 routed experts as K3 ships them (``stock/mxfp4.py``): x [T, hidden] -> [T, hidden].
 
@@ -154,9 +165,10 @@ def moe_mxfp4(
     w13_scale [E_local, 2I, Lat/32] / w2_scale [E_local, Lat, I/32]: uint8 E8M0 scales; the rest as ``moe``.
     """
     return lookup(layer).forward(x, front_ws, gate_w, bias, Mxfp4Weight(w13_packed, w13_scale),
-                                 Mxfp4Weight(w2_packed, w2_scale), norm_w, up_w, shared_down_w)
+                                 Mxfp4Weight(w2_packed, w2_scale), norm_w, up_w, shared_down_w, scales)
 
 
 @moe_mxfp4.register_fake
-def _(x, front_ws, gate_w, bias, w13_packed, w13_scale, w2_packed, w2_scale, norm_w, up_w, shared_down_w, layer):
+def _(x, front_ws, gate_w, bias, w13_packed, w13_scale, w2_packed, w2_scale, norm_w, up_w, shared_down_w, layer,
+      scales):
     return torch.empty_like(x)
