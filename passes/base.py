@@ -14,6 +14,7 @@ from dep_compile.config import DepOptions, OptionError
 from dep_compile.debug.report import LayerMatch
 from dep_compile.ops.packing import pack_params
 from dep_compile.ops.registry import register
+from dep_compile.stock import fp8_block
 
 from . import validate
 from .calls import (AF_V2, NoMatch, base_outputs, is_call, is_functionalized, layer_index, module_path, op_name,
@@ -24,6 +25,7 @@ from .validate import ProbeInputs, ProbeRandom, compare_as_stored
 from .walkers import is_plumbing
 
 Node = fx.Node
+FP8_E4M3 = torch.float8_e4m3fn
 log = logging.getLogger("dep_compile")
 
 
@@ -129,7 +131,7 @@ class PassContext:
                prepared: Any, probe: Callable[[ProbeRandom], ProbeInputs],
                compared: Callable[[dict], dict] = compare_as_stored, pack: Sequence[tuple[list[Node], str]] = (),
                stops: Sequence[Node] = (), check: Callable[[set[Node]], None] | None = None,
-               span: str = "inside the layer") -> Node:
+               span: str = "inside the layer", fp8_activations: bool = False) -> Node:
         """Check the region, observe the replacement on a random probe, then rewrite: the one way every
         pass changes the graph.
 
@@ -139,7 +141,9 @@ class PassContext:
         it. ``args`` holds ``None`` where the op's ``layer`` string goes (an op without one has no
         ``None``; ``prepared`` is then None too). ``probe`` builds the family's random probe inputs and
         ``compared`` says what of its caches to compare (``validate.Probe``). ``pack``: the weight groups
-        to pack zero-copy once compile_fx returns. Nothing in the graph changes until every check passed.
+        to pack zero-copy once compile_fx returns. ``fp8_activations``: the layer quantizes activations to FP8
+        (its probe's CUDA RMS bound is ``validate.CUDA_RMS_REL_FP8``). Nothing in the graph changes until every
+        check passed.
         """
         region = self.verified_region(x, output, claimed, stops, span)
         self.check_region(region, output)
@@ -156,7 +160,7 @@ class PassContext:
         key_index = next((i for i, a in enumerate(args) if a is None), None)
         if self.options.validate:
             observed = validate.Probe(region, x, output, target, tuple(args), key_index, prepared, found.module,
-                                      probe, compared)
+                                      probe, compared, fp8_activations)
             t0 = time.perf_counter()
             try:
                 sig = validate.signature(observed)
@@ -302,6 +306,41 @@ class LayerPass:
 
     def rewrite(self, ctx: PassContext, found: Found) -> tuple[str, dict]:  # pragma: no cover - abstract
         raise NotImplementedError
+
+
+def dense_scales(ctx: PassContext, lins: Sequence[tuple[str, Any, bool]], anchor: Node) -> list[Node]:
+    """The block scales of a layer's projections, in order: empty when every one is BF16.
+
+    ``lins``: (name, Linear, runs alone) per projection. FP8 block-scaled ones (``kimi_k3.fp8_block_linear``)
+    must be all of them (the layer's ops take one dense format), each weight an e4m3 parameter [N, K] with an
+    FP32 parameter of one scale per 128 x 128 block of each of its row segments (another block size or
+    transposed scales do not fit: NoMatch), and one that runs alone (``ops.dense.dense_linear``) one segment.
+    """
+    fp8 = [name for name, lin, _ in lins if lin.scale is not None]
+    if not fp8:
+        return []
+    require(len(fp8) == len(lins), f"{', '.join(fp8)} FP8 block-scaled but {', '.join(n for n, _, _ in lins if n not in fp8)} "
+            "not: kimi_dep rewrites a layer whose projections share one dense format", anchor)
+    for name, lin, alone in lins:
+        w = ctx.param(lin.w, f"the {name} FP8 weight")
+        s = ctx.param(lin.scale, f"the {name} FP8 weight scales")
+        require(w.dtype == FP8_E4M3 and s.dtype == torch.float32, f"the {name} FP8 weight is {w.dtype} with {s.dtype} "
+                "scales, not float8_e4m3fn with float32 scales", lin.node)
+        require(w.dim() == 2 and sum(lin.segments) == w.shape[0], f"the {name} FP8 weight {list(w.shape)} is not "
+                f"[N, K] with N the sum of its segments {list(lin.segments)}", lin.node)
+        want = fp8_block.scale_shape(list(lin.segments), w.shape[1])
+        require(tuple(s.shape) == want, f"the {name} weight scales {list(s.shape)} are not one per 128 x 128 block of "
+                f"{list(w.shape)} (segments {list(lin.segments)}): {list(want)} expected", lin.scale)
+        require(not alone or len(lin.segments) == 1, f"the {name} FP8 weight packs segments {list(lin.segments)}; "
+                "kimi_dep runs it as one projection", lin.node)
+    return [lin.scale for _, lin, _ in lins]
+
+
+def tagged(op: str, *tags: str | None) -> str:
+    """The report's name of a rewritten op: ``op``, with what it was compiled for in brackets
+    (``kimi_dep.moe[ep2, fp8_block]``)."""
+    tags = [t for t in tags if t]
+    return f"{op}[{', '.join(tags)}]" if tags else op
 
 
 def check_bf16(what: str, *nodes_or_tensors) -> None:

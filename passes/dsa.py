@@ -36,7 +36,8 @@ from dep_compile.ops.dsa import PreparedDsa
 from dep_compile.ops.projection import DepProjection
 from dep_compile.ops.sparse_mla import reserve_sparse_mla
 
-from .base import Found, LayerPass, PassContext, check_bf16, check_only_user, check_q_len, probe_step
+from .base import (Found, LayerPass, PassContext, check_bf16, check_only_user, check_q_len, dense_scales, probe_step,
+                   tagged)
 from .calls import call, constant, is_call, op_args, op_name, producer, require, shapes_of, single_user, val
 from .trees import factors, match_layer_norm, match_rms_norm
 from .validate import ProbeInputs, ProbeRandom
@@ -80,7 +81,7 @@ def _rows(node, what, claimed):
 
 
 def packed_weights(x, roles: dict, ctx: PassContext, anchor) -> list:
-    """The weights whose rows, stacked, are the roles in order q_a | kv_a | gate | wk | wv."""
+    """The linears whose weights' rows, stacked, are the roles in order q_a | kv_a | gate | wk | wv."""
     weights, cover, width = [], 0, 0
     for name in ROLES:
         lin, lo, hi = roles[name]
@@ -95,7 +96,7 @@ def packed_weights(x, roles: dict, ctx: PassContext, anchor) -> list:
                 "(q_a | kv_a | gate | wk | wv, in order)", lin.node)
         cover = hi
     require(cover == width, "the last projection's rows are not all used", anchor)
-    return [lin.w for lin in weights]
+    return weights
 
 
 @dataclasses.dataclass
@@ -126,6 +127,8 @@ class DsaMatch:
     latent_cache: str  # "bfloat16" | "float8_e4m3fn" (kv_scale in mla)
     mla_op: object  # the sparse MLA overload matched: SPARSE_MLA or SPARSE_MLA_FP8 (.default)
     cache_shapes: dict  # cache name -> the shape the ops see (post-grad: a view of a pooled base)
+    scales: list  # FP8 block-scaled projections: their scales [*pack, q_b, wq_b, o_proj]; empty for BF16
+    segments: tuple | None  # FP8: the packed projection's row segments, then o_proj's (None: BF16)
 
     def caches(self) -> dict:
         """The caches the layer writes, by role."""
@@ -238,14 +241,19 @@ def find_dsa(ctx: PassContext, S: Node) -> DsaMatch:
              "gate": _rows(gate, "gate", claimed), "wk": _rows(k_raw, "index keys", claimed),
              "wv": _rows(ia["weights"], "index weights", claimed)}
     x = roles["q_a"][0].x
-    pack = packed_weights(x, roles, ctx, S)
+    pack_lins = packed_weights(x, roles, ctx, S)
+    pack = [lin.w for lin in pack_lins]
+    scales = dense_scales(ctx, [*((f"packed a-projection {i}", lin, False) for i, lin in enumerate(pack_lins)),
+                                ("q_b_proj", q_b, True), ("wq_b", wq_b, True), ("o_proj", o_lin, False)], S)
     q_lora, gate_width = val(q_a).shape[-1], val(gate).shape[-1]
     require(gate_width == val(S_out).shape[-1], f"gate width {gate_width} != attention output "
             f"{val(S_out).shape[-1]}", gate)
     require(val(k_raw).shape[-1] == Di and val(ia["weights"]).shape[-1] == Hi,
             "index keys / weights widths differ from the indexer query's", I)
-    check_bf16("DSA activations/weights", x, q_b.w, wq_b.w, o_lin.w, a["q"], a["latent"], ia["q_idx"],
-               ia["weights"], ia["k"], *pack)
+    check_bf16("DSA activations", x, a["q"], a["latent"], ia["q_idx"], ia["weights"], ia["k"])
+    if not scales:
+        check_bf16("DSA weights", q_b.w, wq_b.w, o_lin.w, *pack)
+    segments = (tuple(n for lin in pack_lins for n in lin.segments), o_lin.segments) if scales else None
     latent = ("kv_cache", "kv_scale") if mla_op is SPARSE_MLA_FP8.default else ("kv_cache",)
     shapes = {**shapes_of(S, mla_op, latent), **shapes_of(I, INDEXER.default, ("index_cache", "index_scale"))}
     latent_cache = check_latent_cache(mla_op, a, shapes)
@@ -258,7 +266,7 @@ def find_dsa(ctx: PassContext, S: Node) -> DsaMatch:
         ctx.param(w, what)
     return DsaMatch(x, pack, q_a_norm_w, kv_a_norm_w, q_b.w, wq_b.w, k_norm_w, k_norm_b, o_lin.w, o_user, a, ia,
                     H, rope, q_lora, kv_lora, gate_width, Hi, Di, (q_a_eps, kv_a_eps, k_eps), claimed, latent_cache,
-                    mla_op, shapes)
+                    mla_op, shapes, scales, segments)
 
 
 def check_latent_cache(mla_op, a: dict, shapes: dict) -> str:
@@ -290,14 +298,15 @@ class DsaPass(LayerPass):
     def rewrite(self, ctx: PassContext, found: Found):
         m = find_dsa(ctx, found.anchor)
         a, ia, opts = m.mla, m.indexer, ctx.options
-        proj, oproj = opts.tables_for(val(a["kv_cache"]).device)
+        proj, oproj = opts.tables_for(val(a["kv_cache"]).device, fp8=bool(m.scales))
+        segs = m.segments or (None, None)
         prepared = PreparedDsa(
             heads=m.heads, nope=int(a["nope"]), rope=m.rope, q_lora=m.q_lora, kv_lora=m.kv_lora,
             gate_width=m.gate_width, index_heads=m.index_heads, index_dim=m.index_dim, topk=int(ia["topk"]),
             scale=constant(a["scale"], "the sparse MLA softmax scale", found.anchor), q_a_eps=m.eps[0],
             kv_a_eps=m.eps[1], k_norm_eps=m.eps[2],
-            projection=DepProjection("dsa_qkv_a_g_index", proj["dsa_qkv_a_g_index"]),
-            o_proj=DepProjection("o_proj", oproj), sparse_mla=opts.sparse_mla,
+            projection=DepProjection("dsa_qkv_a_g_index", proj["dsa_qkv_a_g_index"], segs[0]),
+            o_proj=DepProjection("o_proj", oproj, segs[1]), sparse_mla=opts.sparse_mla,
             latent_cache=m.latent_cache,
         )
         fp8 = m.latent_cache == "float8_e4m3fn"
@@ -310,7 +319,8 @@ class DsaPass(LayerPass):
         ctx.commit(found, x=m.x, output=m.output, claimed=m.claimed, target=target.default, args=(
             m.x, m.pack, m.q_a_norm_w, m.kv_a_norm_w, m.q_b_w, a["kv_b_weight"], m.wq_b_w, m.k_norm_w, m.k_norm_b,
             m.o_w, a["kv_cache"], *((a["kv_scale"],) if fp8 else ()), ia["index_cache"], ia["index_scale"],
-            a["slot_mapping"], a["block_table"], ia["seq_lens"], a["q_len"], None), prepared=prepared,
-            probe=m.probe_inputs, compared=dequantized, pack=[(m.pack, "DSA projection")])
+            a["slot_mapping"], a["block_table"], ia["seq_lens"], a["q_len"], None, m.scales), prepared=prepared,
+            probe=m.probe_inputs, compared=dequantized, fp8_activations=bool(m.scales),
+            pack=[(m.pack, "DSA projection")] + ([(m.scales[:len(m.pack)], "DSA projection scales")] if m.scales else []))
         tactics = {p.name: p.policies(opts.batches) for p in (prepared.projection, prepared.o_proj)}
-        return op, tactics
+        return tagged(op, "fp8_block" if m.scales else None), tactics

@@ -28,7 +28,8 @@ import torch
 from dep_compile.ops.kda import PreparedKda
 from dep_compile.ops.projection import DepProjection
 
-from .base import Found, LayerPass, PassContext, check_bf16, check_only_user, check_q_len, probe_step
+from .base import (Found, LayerPass, PassContext, check_bf16, check_only_user, check_q_len, dense_scales, probe_step,
+                   tagged)
 from .calls import constant, op_args, require, shapes_of, single_user, val
 from .validate import ProbeInputs, ProbeRandom
 from .walkers import linear, part_of, skip_identity
@@ -60,6 +61,8 @@ class KdaMatch:
     f_rank: int
     claimed: set
     state_shapes: dict  # conv_state / recurrent_state -> the shape the core sees (post-grad: a view of a pool)
+    scales: list  # FP8 block-scaled projections: their scales [in_proj, f_b_proj, o_proj]; empty for BF16
+    segments: tuple  # FP8: (in_proj's row segments, o_proj's); (None, None) for BF16
 
     def probe_inputs(self, rng: ProbeRandom) -> ProbeInputs:
         """A random step for the probe: the layer input, B + 2 state slots of random states (BF16 conv,
@@ -109,14 +112,18 @@ def find_kda(ctx: PassContext, core: Node) -> KdaMatch:
     o_lin = linear(o_user, "the core's output user (o_proj)", claimed)
     require(o_lin.x is core_out, "core output does not feed o_proj directly", o_user)
     ctx.param(o_lin.w, "o_proj weight")
-    check_bf16("KDA activations/weights", x, in_w, f_lin.w, o_lin.w, a["conv_state"], *parts.values())
+    scales = dense_scales(ctx, [("in_proj", in_lin, False), ("f_b_proj", f_lin, True), ("o_proj", o_lin, False)], core)
+    check_bf16("KDA activations", x, a["conv_state"], *parts.values())
+    if not scales:
+        check_bf16("KDA weights", in_w, f_lin.w, o_lin.w)
     require(val(a["recurrent_state"]).dtype == torch.float32, "recurrent state is not FP32", a["recurrent_state"])
     check_only_user(a["conv_state"], core, "conv state")
     check_only_user(a["recurrent_state"], core, "recurrent state")
     check_q_len(a["q_len"], ctx.options.max_q, core)
     require(val(x).dim() == 2, "in_proj input is not [T, hidden]", x)
     return KdaMatch(x, in_w, f_lin.w, o_lin.w, o_user, a, H, HD // H, F_rank, claimed,
-                    shapes_of(core, KDA_CORE.default, tuple(s.value for s in KdaState)))
+                    shapes_of(core, KDA_CORE.default, tuple(s.value for s in KdaState)), scales,
+                    (in_lin.segments, o_lin.segments) if scales else (None, None))
 
 
 class KdaPass(LayerPass):
@@ -129,16 +136,17 @@ class KdaPass(LayerPass):
     def rewrite(self, ctx: PassContext, found: Found):
         m = find_kda(ctx, found.anchor)
         a, opts = m.core, ctx.options
-        proj, oproj = opts.tables_for(val(a["recurrent_state"]).device)
+        proj, oproj = opts.tables_for(val(a["recurrent_state"]).device, fp8=bool(m.scales))
         prepared = PreparedKda(
             heads=m.heads, head_dim=m.head_dim, f_rank=m.f_rank,
             lower_bound=constant(a["lower_bound"], "KDA lower_bound", found.anchor),
             norm_eps=constant(a["norm_eps"], "KDA norm eps", found.anchor),
-            in_proj=DepProjection("kda_in_proj", proj["kda_in_proj"]), o_proj=DepProjection("o_proj", oproj),
+            in_proj=DepProjection("kda_in_proj", proj["kda_in_proj"], m.segments[0]),
+            o_proj=DepProjection("o_proj", oproj, m.segments[1]),
         )
         ctx.commit(found, x=m.x, output=m.output, claimed=m.claimed, target=KDA_ATTENTION.default, args=(
             m.x, m.in_w, m.f_b_w, a["conv_weight"], a["A_log"], a["dt_bias"], a["o_norm_weight"], m.o_w,
-            a["conv_state"], a["recurrent_state"], a["state_indices"], a["accepted"], a["q_len"], None),
-            prepared=prepared, probe=m.probe_inputs)
+            a["conv_state"], a["recurrent_state"], a["state_indices"], a["accepted"], a["q_len"], None, m.scales),
+            prepared=prepared, probe=m.probe_inputs, fp8_activations=bool(m.scales))
         tactics = {p.name: p.policies(opts.batches) for p in (prepared.in_proj, prepared.o_proj)}
-        return "kimi_dep.kda_attention", tactics
+        return tagged("kimi_dep.kda_attention", "fp8_block" if m.scales else None), tactics

@@ -28,7 +28,7 @@ from dep_compile.ops.projection import DepProjection
 from dep_compile.ops.shapes import size_hint
 from dep_compile.stock.mxfp4 import GROUP, group_size, random_mxfp4
 
-from .base import Found, LayerPass, PassContext, check_bf16
+from .base import Found, LayerPass, PassContext, check_bf16, dense_scales, tagged
 from .calls import NoMatch, bind, call, constant, dtype_of, is_call, last_dim, op_args, op_name, require, scalar, val
 from .trees import factors, match_rms_norm
 from .validate import ProbeInputs, ProbeRandom
@@ -188,6 +188,8 @@ class MoeMatch:
     claimed: set
     experts: tuple  # the experts' weight nodes: (w13, w2), or MXFP4 (w13 codes, scales, w2 codes, scales)
     mxfp4: bool
+    scales: list  # FP8 block-scaled projections: their scales [gate_up, latent down, up, shared down]; empty: BF16
+    front_segments: tuple | None  # FP8: the packed front's row segments (None: BF16)
 
     def probe_inputs(self, rng: ProbeRandom) -> ProbeInputs:
         """A random layer input for the probe, and for MXFP4 experts random codes and E8M0 scales (the stock
@@ -257,7 +259,10 @@ def dep_moe_supported(ctx: PassContext, R: Node) -> MoeMatch:
     gu = match_situ(sd.x, constant(a["beta"], "SiTU beta", R), constant(a["beta_lin"], "SiTU beta_lin", R), claimed)
     require(gu.x is x, "shared expert reads another input than the router", gu.node)
     experts = tuple(a[n] for n in (MXFP4_TENSORS if mxfp4 else ("w13", "w2")))
-    check_bf16("MoE activations/weights", x, down.w, gu.w, sd.w, up.w, *([] if mxfp4 else experts))
+    scales = dense_scales(ctx, [("shared gate_up_proj", gu, False), ("latent down-projection", down, False),
+                                ("up-projection", up, True), ("shared down_proj", sd, True)], R)
+    check_bf16("MoE activations/weights", x, *([] if scales else [down.w, gu.w, sd.w, up.w]),
+               *([] if mxfp4 else experts))
     latent = ctx.param(down.w, "latent down-proj").shape[0]
     if mxfp4:
         check_mxfp4_experts(ctx, a, latent)
@@ -271,7 +276,8 @@ def dep_moe_supported(ctx: PassContext, R: Node) -> MoeMatch:
     for w, what in ((up.w, "up-proj"), (bias, "correction bias"), (norm_w, "latent norm weight")):
         ctx.param(w, what)
     return MoeMatch(x, down.w, gate_w, bias, norm_w, up.w, gu.w, sd.w, add, a, top_k, scale, norm_eps,
-                    shared_inter, latent, ep_size, claimed, experts, mxfp4)
+                    shared_inter, latent, ep_size, claimed, experts, mxfp4, scales,
+                    gu.segments + down.segments if scales else None)
 
 
 class MoePass(LayerPass):
@@ -294,12 +300,14 @@ class MoePass(LayerPass):
             shared_inter=m.shared_inter, latent=m.latent, top_k=m.top_k, scale=m.scale, beta=float(a["beta"]),
             beta_lin=float(a["beta_lin"]), norm_eps=m.norm_eps, expert_start=int(a["expert_start"]), ep_size=m.ep_size,
             front_max=opts.front_max,
-            front=DepProjection("moe_front", opts.tables_for(val(m.experts[0]).device)[0]["moe_front"]),
+            front=DepProjection("moe_front", opts.tables_for(val(m.experts[0]).device, fp8=bool(m.scales))[0]["moe_front"],
+                                m.front_segments),
         )
         front = [m.gu_w, m.down_w]
         target, op = (MOE_MXFP4, "kimi_dep.moe_mxfp4") if m.mxfp4 else (MOE, "kimi_dep.moe")
         ctx.commit(found, x=m.x, output=m.output, claimed=m.claimed, target=target.default, args=(
-            m.x, front, m.gate_w, m.bias, *m.experts, m.norm_w, m.up_w, m.sd_w, None), prepared=prepared,
-            probe=m.probe_inputs, pack=[(front, "MoE front")])
-        op = op if m.ep_size == 1 else f"{op}[ep{m.ep_size}]"
+            m.x, front, m.gate_w, m.bias, *m.experts, m.norm_w, m.up_w, m.sd_w, None, m.scales), prepared=prepared,
+            probe=m.probe_inputs, fp8_activations=bool(m.scales),
+            pack=[(front, "MoE front")] + ([(m.scales[:2], "MoE front scales")] if m.scales else []))
+        op = tagged(op, f"ep{m.ep_size}" if m.ep_size > 1 else None, "fp8_block" if m.scales else None)
         return op, {"moe_front": prepared.front.policies([b for b in opts.batches if b <= opts.front_max])}

@@ -37,6 +37,11 @@ Node = fx.Node
 CPU_MAX_REL = 2.0 ** -7  # one BF16 rounding at the tensor's largest value: cuBLAS tactics, same references
 CUDA_MAX_REL = 2.0 ** -5  # kernels vs the stock CUDA ops: BF16 roundings in another order (seen: <= 6.7e-3)
 CUDA_RMS_REL = 2.0 ** -7
+# A layer that quantizes activations to FP8 e4m3 (FP8 block-scaled projections) turns a one-ulp BF16 difference
+# in a projection's input into a code step (2^-3 of the value) for the ~1 in 32 values that lie within a BF16 ulp
+# of an e4m3 rounding boundary: ~1.3 % RMS where BF16 rounding noise is ~0.3 %. Measured on the H200 between
+# kimi_dep's FP8 split-K and stock's cuBLAS FP8 GEMMs: RMS 1.0 % and 1.5 % on K3.1's layers. Its RMS bound is 4x.
+CUDA_RMS_REL_FP8 = 2.0 ** -5
 PROBE_SIZE = 4  # a symbolic token count's free symbols, in a probe (or their hints, if smaller)
 
 
@@ -114,6 +119,7 @@ class Probe:
     module: str
     inputs: Callable[[ProbeRandom], ProbeInputs]
     compared: Callable[[dict], dict] = compare_as_stored  # caches by role -> tensors to compare, by name
+    fp8_activations: bool = False  # the layer quantizes activations to FP8 between GEMMs (CUDA_RMS_REL_FP8)
 
 
 @dataclasses.dataclass
@@ -133,8 +139,8 @@ class Verdict:
 
 
 def _cublas(prepared: Any) -> Any:
-    """A copy of a prepared layer with every projection on cuBLAS (torch.mm)."""
-    changes = {f.name: DepProjection(getattr(prepared, f.name).name, {}) for f in dataclasses.fields(prepared)
+    """A copy of a prepared layer with every projection on cuBLAS (torch.mm; FP8 weights: stock's op)."""
+    changes = {f.name: dataclasses.replace(getattr(prepared, f.name), table={}) for f in dataclasses.fields(prepared)
                if isinstance(getattr(prepared, f.name), DepProjection)}
     return dataclasses.replace(prepared, **changes)
 
@@ -308,13 +314,16 @@ def check(probe: Probe, gm: fx.GraphModule, real: dict, seed: int = 0) -> Verdic
         errors[name] = error(got[name], ref[name])
     verdict = Verdict(errors, time.perf_counter() - t0, inputs.tokens, probe.module)
     bound = CPU_MAX_REL if on_cpu else CUDA_MAX_REL
-    bad = {k: e for k, e in errors.items() if e[0] > bound or (not on_cpu and e[1] > CUDA_RMS_REL)}
+    rms = CUDA_RMS_REL_FP8 if probe.fp8_activations else CUDA_RMS_REL
+    bad = {k: e for k, e in errors.items() if e[0] > bound or (not on_cpu and e[1] > rms)}
     if bad:
         detail = ", ".join(f"{k} max {e[0]:.3g} rms {e[1]:.3g}" for k, e in bad.items())
         raise NoMatch(f"semantic check failed: the replacement differs from the stock layer on a random probe "
-                      f"({detail}; bound {bound:.3g} of the largest value)", probe.output)
+                      f"({detail}; bound {bound:.3g} of the largest value"
+                      f"{'' if on_cpu else f', rms {rms:.3g}'})", probe.output)
     return verdict
 
 
 __all__ = ["Probe", "ProbeInputs", "ProbeRandom", "Verdict", "check", "compare_as_stored", "error", "signature",
-           "token_symbols", "PROBE_SIZE", "CPU_MAX_REL", "CUDA_MAX_REL", "CUDA_RMS_REL"]
+           "token_symbols", "PROBE_SIZE", "CPU_MAX_REL", "CUDA_MAX_REL", "CUDA_RMS_REL",
+           "CUDA_RMS_REL_FP8"]

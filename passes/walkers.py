@@ -16,9 +16,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .calls import bind, dtype_of, is_call, last_dim, op_name, require, val
+from .calls import bind, dtype_of, is_call, last_dim, op_args, op_name, require, val
 
 Node = fx.Node
+FP8_LINEAR = torch.ops.kimi_k3.fp8_block_linear
 
 # ---- value-preserving plumbing ---------------------------------------------------------------------
 
@@ -130,12 +131,15 @@ _EINSUM_ND = re.compile(r"^\.\.\.([a-z]),([a-z])\1->\.\.\.\2$")
 
 @dataclasses.dataclass
 class Linear:
-    """``x W^T (+ bias)``: the nodes of input, weight and bias (None), and the call."""
+    """``x W^T (+ bias)``: the nodes of input, weight and bias (None), and the call; for an FP8 block-scaled
+    linear (``kimi_k3.fp8_block_linear``) also its block scales' node and its row segments."""
 
     x: Node
     w: Node
     bias: Any
     node: Node
+    scale: Node | None = None
+    segments: tuple[int, ...] | None = None
 
 
 def linear_of(node: Any, claims: set | None = None) -> Linear | None:
@@ -144,10 +148,17 @@ def linear_of(node: Any, claims: set | None = None) -> Linear | None:
 
     Spellings: ``F.linear`` (positional or keyword), ``x @ W.t()``, ``torch.matmul``/``mm``/``.matmul``
     with a transposed weight, ``torch.addmm(b, x, W.t())`` (beta = alpha = 1), ``torch.einsum("tk,nk->tn",
-    x, W)`` (any letters, or ``"...k,nk->...n"``), and the aten forms ``mm(x, permute(W, [1, 0]))``.
+    x, W)`` (any letters, or ``"...k,nk->...n"``), and the aten forms ``mm(x, permute(W, [1, 0]))``; and
+    the FP8 block-scaled linear ``kimi_k3.fp8_block_linear(x, W, W_scale, segments)``.
     """
     name = op_name(node)
-    if name == "linear":
+    if is_call(node, FP8_LINEAR):
+        b = op_args(node, FP8_LINEAR.default)
+        segments = b["segments"]
+        if not isinstance(segments, (list, tuple)) or not all(isinstance(n, int) for n in segments):
+            return None
+        lin = Linear(b["x"], b["weight"], None, node, b["weight_scale"], tuple(segments))
+    elif name == "linear":
         b = bind(node)
         if b is None or b.get("input") is None or b.get("weight") is None:
             return None
@@ -194,10 +205,7 @@ def linear_of(node: Any, claims: set | None = None) -> Linear | None:
 def linear(node: Any, what: str, claims: set, bias: bool = False) -> Linear:
     """``node`` is a bias-free linear (or with a bias when ``bias``): its parts; NoMatch otherwise."""
     lin = linear_of(node, claims)
-    where = node if isinstance(node, Node) else None
-    require(not is_call(node, torch.ops.kimi_k3.fp8_block_linear), f"{what} is an FP8 block-scaled projection "
-            "(kimi_k3.fp8_block_linear): kimi_dep does not rewrite the FP8 dense forms yet", where)
-    require(lin is not None, f"{what} is not a linear (x W^T)", where)
+    require(lin is not None, f"{what} is not a linear (x W^T)", node if isinstance(node, Node) else None)
     if not bias:
         require(lin.bias is None, f"{what} has a bias", node)
     return lin

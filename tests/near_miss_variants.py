@@ -19,8 +19,8 @@ e_score_correction_bias; the rest BF16), frozen, in eval mode, on the old module
 pass could get wrong, or a change no short run can observe); the suite does not require its
 output to differ from stock.
 
-``core``: one variant per item of the suite's brief (62 of them), the three product orders the walkers read
-and the five MXFP4-experts variants (70 in all); tests/test_near_miss.py runs
+``core``: one variant per item of the suite's brief (62 of them), the three product orders the walkers read,
+the five MXFP4-experts variants and the five FP8-dense ones (75 in all); tests/test_near_miss.py runs
 these by default, to stay under 90 s on 2 CPU cores, and every variant with ``NEAR_MISS_ALL=1``;
 the property test draws from the whole catalogue.
 
@@ -30,6 +30,7 @@ carry one variant per slot (the property test does that).
 
 ``experts_format``: a variant of models with that routed-experts format only (``"mxfp4"``: K3's own); the
 near-miss test builds its model in it, the property test applies it where the drawn config has it.
+``dense_format`` likewise, for the FP8 block-scaled dense projections (``"fp8_block"``).
 
 The kind-wide keyword spellings (every call with keyword arguments) live here as well
 (``KwDSA``, ``KwKDA``, ``KwRouter``, ``KwMoE``, ``KwShared``, ``KwExperts``), for
@@ -48,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dep_compile.stock.attention import KimiDeltaAttention, KimiDSAAttention
+from dep_compile.stock.fp8_block import FP8_MAX, Fp8BlockLinear, dequantize
 from dep_compile.stock.layers import Router, SiTUMLP
 from dep_compile.stock.moe import FusedExperts, KimiMoE, Mxfp4Experts
 
@@ -91,7 +93,7 @@ def _dsa(cls):
 
 def _shared(cls):
     def build(cfg, old):
-        return adopt(cls(cfg, cfg.hidden_size, cfg.shared_intermediate), old)
+        return adopt(cls(cfg, cfg.hidden_size, cfg.shared_intermediate, cfg.dense_format), old)
     return build
 
 
@@ -115,10 +117,13 @@ class Variant:
     note: str = ""
     core: bool = True  # in the default (fast) CPU run of tests/test_near_miss.py; see CORE below
     experts_format: str | None = None  # a variant of that experts format's models only ("mxfp4"); None: any
+    dense_format: str | None = None  # a variant of that dense format's models only ("fp8_block"); None: any
 
     def config(self, cfg):
-        """``cfg`` in the experts format the variant needs."""
-        return cfg.replace(experts_format=self.experts_format) if self.experts_format else cfg
+        """``cfg`` in the experts and dense formats the variant needs."""
+        if self.experts_format:
+            cfg = cfg.replace(experts_format=self.experts_format)
+        return cfg.replace(dense_format=self.dense_format) if self.dense_format else cfg
 
     @property
     def row_kind(self) -> str:
@@ -128,7 +133,7 @@ class Variant:
     def layers(self, cfg) -> list[int]:
         """The layers this variant can apply to in ``cfg``."""
         n = cfg.num_layers
-        if self.experts_format not in (None, cfg.experts_format):
+        if self.experts_format not in (None, cfg.experts_format) or self.dense_format not in (None, cfg.dense_format):
             return []
         if self.kind == "dsa":
             return [i for i in range(n) if cfg.layer_kind(i) == "dsa"]
@@ -451,7 +456,7 @@ class HookShared(SiTUMLP):
 
 
 def _shared_variant(name, expect, **methods):
-    kw = {k: methods.pop(k) for k in ("neutral", "run", "note") if k in methods}
+    kw = {k: methods.pop(k) for k in ("neutral", "run", "note", "dense_format") if k in methods}
     cls = type("Shared_" + name, (HookShared,), methods)
     return variant(name, "moe", expect, "shared", _shared(cls), **kw)
 
@@ -514,6 +519,63 @@ _shared_variant("shared_act_torch_fns", "rewrite",
                 act=lambda self, g, u: torch.mul(torch.mul(torch.mul(self.beta, torch.tanh(torch.div(g, self.beta))),
                                                            torch.sigmoid(g)),
                                                  torch.mul(self.beta_lin, torch.tanh(torch.div(u, self.beta_lin)))))
+
+
+# -- FP8 block-scaled dense weights (the shared expert's down_proj of an FP8 model)
+
+def _fp8_down(self, a, scale):
+    d = self.down_proj
+    return K3.fp8_block_linear(a, d.weight, scale, d.segments)
+
+
+def _per_tensor_w8a8(self, a):
+    """W8A8 with one activation scale for the whole tensor (not per 128 inputs), the weight dequantized."""
+    d = self.down_proj
+    s = a.float().abs().amax().clamp_min(1e-10) / FP8_MAX
+    aq = (a.float() / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return ((aq.float() @ dequantize(d.weight, d.weight_scale, d.segments).t()) * s).to(a.dtype)
+
+
+class Fp8ScalesTransposed(nn.Module):
+    """An FP8 block linear that stores its block scales transposed and reads them through ``.t()``."""
+
+    def __init__(self, old: Fp8BlockLinear):
+        super().__init__()
+        self.weight, self.segments = old.weight, old.segments
+        self.weight_scale_t = nn.Parameter(old.weight_scale.data.t().contiguous(), requires_grad=False)
+
+    def forward(self, a):
+        return K3.fp8_block_linear(a, self.weight, self.weight_scale_t.t(), self.segments)
+
+
+def _shared_replacing_down(make):
+    """A shared-expert variant whose down_proj module is ``make(old down_proj)``."""
+    def build(cfg, old):
+        new = adopt(HookShared(cfg, cfg.hidden_size, cfg.shared_intermediate, cfg.dense_format), old)
+        new.down_proj = make(new.down_proj)
+        return new
+    return build
+
+
+def _bf16_linear(old: Fp8BlockLinear) -> nn.Linear:
+    lin = nn.Linear(old.in_features, old.out_features, bias=False, device=old.weight.device)
+    lin.weight = nn.Parameter(dequantize(old.weight, old.weight_scale, old.segments).to(BF16), requires_grad=False)
+    return lin
+
+
+_shared_variant("fp8_scale_of_another_block_row", "either", dense_format="fp8_block",
+                note="down_proj's block scales rolled by one block row",
+                down=lambda self, a: _fp8_down(self, a, self.down_proj.weight_scale.roll(1, 0)))
+_shared_variant("fp8_per_tensor_activation", "either", dense_format="fp8_block",
+                note="down_proj as W8A8 with one activation scale per tensor", down=_per_tensor_w8a8)
+variant("fp8_scales_transposed", "moe", "either", "shared", _shared_replacing_down(Fp8ScalesTransposed),
+        neutral=True, dense_format="fp8_block", note="down_proj's scales stored transposed, read through .t()")
+variant("fp8_mixed_formats", "moe", "either", "shared", _shared_replacing_down(_bf16_linear), neutral=True,
+        dense_format="fp8_block", note="down_proj in BF16 (its FP8 weight dequantized), the rest FP8")
+_shared_variant("fp8_linear_kwargs", "rewrite", dense_format="fp8_block", note="the FP8 linear with keywords",
+                down=lambda self, a: K3.fp8_block_linear(x=a, weight=self.down_proj.weight,
+                                                         weight_scale=self.down_proj.weight_scale,
+                                                         segments=self.down_proj.segments))
 
 
 class KwExperts(FusedExperts):
@@ -926,6 +988,7 @@ dsa_rms_norm_kwargs kda_q_k_swapped kda_beta_part_wrong kda_g_raw_times_2 kda_o_
 kda_f_b_misaligned_split kda_slices kda_linear_kwargs kda_einsum_in_proj kda_matmul_T
 shared_act_factors_commuted shared_act_reassociated dsa_gate_commuted
 mxfp4_float_scale mxfp4_group_16 mxfp4_nibbles_swapped mxfp4_scale_of_another_expert mxfp4_experts_op_kwargs
+fp8_scale_of_another_block_row fp8_per_tensor_activation fp8_scales_transposed fp8_mixed_formats fp8_linear_kwargs
 """.split())
 CATALOGUE[:] = [dataclasses.replace(v, core=v.name in CORE_NAMES) for v in CATALOGUE]
 CORE = [v for v in CATALOGUE if v.core]

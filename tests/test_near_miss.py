@@ -163,7 +163,7 @@ _CUDA_BASELINE: dict = {}
 
 def cuda_baseline(run: dict, cfg=CFG) -> float:
     """The unmodified model's kimi_dep-vs-eager logits difference on ``run``'s steps (same seeds), once per session."""
-    key = (cfg.experts_format, *sorted((k, v) for k, v in run.items() if k != "accepted"))
+    key = (cfg.experts_format, cfg.dense_format, *sorted((k, v) for k, v in run.items() if k != "accepted"))
     if key not in _CUDA_BASELINE:
         torch._dynamo.reset()
         err, report = cuda_pair(build_model(cfg, seed=1, device="cuda"), **run)
