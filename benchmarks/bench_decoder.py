@@ -6,8 +6,9 @@
 The model: ``preset("k31", num_layers=--layers)`` with ``--experts`` routed experts (default the
 slice of issue 17: [KDA + dense MLP, KDA, KDA, DSA], 3 MoE layers of 64 experts top-16, lm_head),
 or with ``--local-experts N`` an EP16 rank's shape: a router over 896 experts and N local experts
-(ids owned by other ranks add nothing). Random weights, drawn on the device: BF16, and the routed experts
-in the preset's format (MXFP4 as K3 ships them) or ``--experts-format``.
+(ids owned by other ranks add nothing). Random weights, drawn on the device: BF16 (``--dense fp8_block``: the
+projections FP8 block-scaled, e4m3 codes and scales), and the routed experts in the preset's format (MXFP4 as
+K3 ships them) or ``--experts-format``.
 
 Per point (``rows`` requests x ``q`` tokens, ``context`` tokens per request after the step), in
 one process: eager stock, stock compiled by plain Inductor, and the ``kimi_dep``-compiled model,
@@ -69,6 +70,7 @@ KERNEL_GROUPS = (
     ("DSA / MLA core", ("indexer", "index_logits", "key_insert", "sparse_mla", "topk", "radix", "mla",
                         "paged_insert", "latent", "absorb", "uv_gate")),
     ("split-K GEMMs (Triton or cuBLAS's)", ("splitk",)),
+    ("FP8 activation quantize, stock block-FP8 GEMM", ("_quantize_kernel", "_block_fp8")),
     ("cuBLAS GEMMs", ("gemm", "nvjet", "cublas", "cutlass")),
     ("ATen elementwise (gathers, copies)", ("elementwise", "index", "copy", "cat")),
 )
@@ -98,8 +100,14 @@ def build_model(cfg, device, seed: int = 0, local_experts: int | None = None) ->
                 k = 2 * p.shape[-1]
                 p.data, params[name.replace("_packed", "_scale")].data = random_mxfp4((*p.shape[:-1], k), g, k ** -0.5)
                 continue
-            if p.dtype == torch.uint8:  # a scale, drawn with its codes
+            if p.dtype == torch.float8_e4m3fn:  # FP8 block-scaled dense: e4m3 codes, block scales for the BF16 RMS
+                scale = params[name + "_scale"]
+                p.data = (torch.randn(p.shape, device=device, generator=g) * 64).clamp(-448, 448).to(p.dtype)
+                scale.data = p.shape[1] ** -0.5 / 64 * torch.exp2(
+                    torch.rand(scale.shape, device=device, generator=g) * 2 - 1)
                 continue
+            if p.dtype == torch.uint8 or (leaf == "weight_scale" and params[name[:-6]].dtype == torch.float8_e4m3fn):
+                continue  # a scale, drawn with its codes
             val = torch.empty(p.shape, device=device)
             if name.endswith("norm.weight") or ".k_norm." in name:
                 val.normal_(1.0 if leaf == "weight" else 0.0, 0.1, generator=g)
@@ -320,6 +328,8 @@ def parse_args(argv=None):
     ap.add_argument("--experts", type=int, default=64, help="routed experts (router and local)")
     ap.add_argument("--experts-format", choices=["bf16", "mxfp4"], default=None,
                     help="the routed experts' weights (default: the preset's; k3 / k31 ship MXFP4)")
+    ap.add_argument("--dense", choices=["bf16", "fp8_block"], default=None,
+                    help="dense projections' format (default: the preset's)")
     ap.add_argument("--local-experts", type=int, default=None,
                     help="EP-rank shape: a router over 896 experts, this many local (e.g. 56 for EP16)")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 64])
@@ -340,16 +350,18 @@ def main(argv=None) -> list[dict]:
     device = torch.device(args.device)
     experts = 896 if args.local_experts else args.experts
     cfg = preset(args.preset, num_layers=args.layers, n_routed_experts=experts,
-                 **({"experts_format": args.experts_format} if args.experts_format else {}))
+                 **({"experts_format": args.experts_format} if args.experts_format else {}),
+                 **({"dense_format": args.dense} if args.dense else {}))
     raise_recompile_limits(4 * len(args.rows) * len(args.q) * len(args.context))
     t0 = time.perf_counter()
     model = build_model(cfg, device, local_experts=args.local_experts)
     local = f" ({args.local_experts} local)" if args.local_experts else ""
     print(f"model: {cfg.name}, {args.layers} layers {[l.kind for l in model.model.layers]}, {experts} "
-          f"{cfg.experts_format} experts{local}; "
+          f"{cfg.experts_format} experts{local}, {cfg.dense_format} dense; "
           f"built in {time.perf_counter() - t0:.1f} s", flush=True)
     points: list[dict] = []
     meta = dict(preset=cfg.name, layers=args.layers, experts=experts, experts_format=cfg.experts_format,
+                dense_format=cfg.dense_format,
                 local_experts=args.local_experts,
                 command="python benchmarks/bench_decoder.py " + " ".join(sys.argv[1:] if argv is None else argv))
     for q in args.q:
