@@ -47,3 +47,38 @@ def bad_setup_worker(rank, world, port, out_dir, mismatch):
         dist.destroy_process_group()
     with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
         f.write(msg)
+
+
+def padded_rows_worker(rank, world, port, out_dir):
+    """Routed experts at EP2 on a different number of rows per rank (rank r: 1 + 5r), inside ``padded_rows`` of
+    the largest, against all the experts on this rank alone; and a call with more rows than agreed."""
+    import copy
+
+    from dep_compile.runtime import ep
+    from dep_compile.stock import build_model, preset
+
+    _init(rank, world, port)
+    cfg = preset("k31-small", num_layers=2)
+    ep.init_ep(cfg)
+    full = build_model(cfg, seed=1).model.layers[1].mlp.experts  # every expert, no dispatch
+    mine = ep.shard_experts(copy.deepcopy(full), rank, world)
+    g = torch.Generator().manual_seed(rank)
+    T, K = 1 + 5 * rank, cfg.num_experts_per_tok
+    x = torch.randn(T, cfg.moe_latent_size, generator=g).bfloat16()  # [T, Lat]
+    ids = torch.rand(T, cfg.n_routed_experts, generator=g).argsort(-1)[:, :K]  # [T, K] distinct experts
+    w = torch.rand(T, K, generator=g)  # [T, K] FP32
+    try:
+        with torch.no_grad(), ep.padded_rows(1 + 5 * (world - 1)):
+            out = mine(x, w, ids)
+        ref = full(x, w, ids)
+        err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+        try:
+            with ep.padded_rows(T - 1):
+                mine(x, w, ids)
+            too_many = "no error"
+        except ep.EpError as e:
+            too_many = str(e)
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"err": err, "rows": T, "too_many": too_many}, f)
