@@ -271,6 +271,49 @@ def test_layouts_the_model_cannot_serve_fail_at_engine_start(tmp_path):
     assert cfg.parallel_config.data_parallel_size == 2 and cfg.parallel_config.enable_expert_parallel
 
 
+def test_a_step_padded_past_its_tokens_returns_every_row(tmp_path):
+    """A step whose ``input_ids`` vLLM padded past its tokens (DP with CUDA graphs pads every rank to one count;
+    ``forward_context`` / ``dp_utils``): the model returns a row per input, its real rows equal to the unpadded
+    step's, for a step that is one whole decode group and for a mixed one (decode + prefill groups)."""
+    from safetensors.torch import load_file
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.forward_context import set_forward_context
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    from dep_compile.integrations.vllm_k3.layout import build_groups
+    from dep_compile.integrations.vllm_k3.model import DepKimiK3ForCausalLM
+    from dep_compile.integrations.vllm_k3.step import KimiStepMetadata
+
+    d = make_checkpoint("k31-small", tmp_path / "ckpt")
+    vc = EngineArgs(model=str(d), dtype="bfloat16", max_model_len=64, enforce_eager=True).create_engine_config()
+    with set_current_vllm_config(vc), set_default_torch_dtype(torch.bfloat16):
+        model = DepKimiK3ForCausalLM(vllm_config=vc)
+    model.load_weights(load_file(str(d / "model.safetensors")).items())
+    caches = model.model.step
+    bs, width = caches.block_size, caches.width
+    g = torch.Generator().manual_seed(0)
+    # (tokens per request, context length after the step): two 1-token prompts, then one decodes and a 4-token
+    # prompt arrives; request i's blocks start at block i + 1
+    for counts, seq in (([1, 1], [1, 1]), ([1, 4], [2, 4])):
+        qsl = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()])
+        T = int(qsl[-1])
+        table = torch.arange(len(counts), dtype=torch.int32).view(-1, 1) + 1  # [n, 1]
+        slots = torch.cat([table[i, 0] * bs + torch.arange(s - c, s) for i, (c, s) in enumerate(zip(counts, seq))])
+        groups = build_groups(qsl, torch.tensor(seq, dtype=torch.int32), table, slots, width, decode_q=1)
+        md = {name: KimiStepMetadata(groups, T) for name in model.model.attn_names}
+        ids = torch.randint(2, model.config.vocab_size, (T + 3,), generator=g)  # 3 padding tokens
+        before = {k: v.clone() for k, v in caches.named_buffers()}
+        with torch.no_grad(), set_forward_context(md, vc):
+            padded = model(ids, torch.zeros_like(ids))
+            for k, v in caches.named_buffers():
+                v.copy_(before[k])  # the same step again, unpadded
+            ref = model(ids[:T], torch.zeros_like(ids[:T]))
+        assert padded.shape == (T + 3, model.config.hidden_size) and ref.shape[0] == T
+        assert torch.equal(padded[:T], ref), (counts, [grp.shape for grp in groups])
+    assert ("decode", 2, 1) in model.groups_run and ("prefill", 1, 4) in model.groups_run, model.groups_run
+
+
 def test_zero_match_warns_in_the_engine(tmp_path):
     """A model vLLM compiles whose graph holds no kimi_k3 op (a tiny Llama), with the pass on: the
     engine's log says why nothing was rewritten and how to select the dep_compile model, once."""
