@@ -61,8 +61,7 @@ def init_ep(config, group=None, timeout_s: float = 60.0) -> EpGroup:
     if not dist.is_initialized():
         raise EpError("init_ep: torch.distributed is not initialized")
     size = dist.get_world_size(group)
-    if config.n_routed_experts % size:
-        raise EpError(f"init_ep: {size} ranks do not divide {config.n_routed_experts} experts")
+    expert_block(config.n_routed_experts, 0, size)  # EpError unless the ranks divide the experts
     if group is None:
         group = dist.new_group(list(range(size)), timeout=datetime.timedelta(seconds=timeout_s))
     rank = dist.get_rank(group)
