@@ -28,7 +28,7 @@ def ep_size(parallel_config, num_experts: int) -> int:
     how = "serve DEP as --tensor-parallel-size 1 --data-parallel-size N --enable-expert-parallel"
     for name in ("tensor_parallel_size", "pipeline_parallel_size", "prefill_context_parallel_size",
                  "decode_context_parallel_size"):
-        if getattr(pc, name) > 1:
+        if getattr(pc, name, 1) > 1:  # (a vLLM without the setting has it at 1)
             raise ValueError(f"the dep_compile K3 model runs attention at TP1 on every rank, with no model split "
                              f"(DEP); got {name} = {getattr(pc, name)}: {how}")
     dp = pc.data_parallel_size
