@@ -25,6 +25,7 @@ import json
 import multiprocessing
 import os
 import socket
+import time
 
 PROMPTS = [[5, 6, 7], list(range(10, 22)), [300, 301, 302, 303, 304, 305, 306], [42]]
 
@@ -148,8 +149,11 @@ def run_dp(args) -> dict:
     procs = [ctx.Process(target=dp_rank, args=(args, r, args.dp, port, parts[r])) for r in range(args.dp)]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join()
+    while any(p.is_alive() for p in procs):
+        if any(p.exitcode for p in procs):  # a failed rank leaves the others waiting in a collective: end them
+            for q in procs:
+                q.terminate()
+        time.sleep(1)
     if any(p.exitcode for p in procs):
         raise SystemExit(f"DP ranks exited with {[p.exitcode for p in procs]}")
     ranks = []
