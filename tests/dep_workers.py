@@ -47,3 +47,78 @@ def bad_setup_worker(rank, world, port, out_dir, mismatch):
         dist.destroy_process_group()
     with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
         f.write(msg)
+
+
+def padded_rows_worker(rank, world, port, out_dir):
+    """Routed experts at EP2 on a different number of rows per rank (rank r: 1 + 5r), inside ``padded_rows`` of
+    the largest, against all the experts on this rank alone; and a call with more rows than agreed."""
+    import copy
+
+    from dep_compile.runtime import ep
+    from dep_compile.stock import build_model, preset
+
+    _init(rank, world, port)
+    cfg = preset("k31-small", num_layers=2)
+    ep.init_ep(cfg)
+    full = build_model(cfg, seed=1).model.layers[1].mlp.experts  # every expert, no dispatch
+    mine = ep.shard_experts(copy.deepcopy(full), rank, world)
+    g = torch.Generator().manual_seed(rank)
+    T, K = 1 + 5 * rank, cfg.num_experts_per_tok
+    x = torch.randn(T, cfg.moe_latent_size, generator=g).bfloat16()  # [T, Lat]
+    ids = torch.rand(T, cfg.n_routed_experts, generator=g).argsort(-1)[:, :K]  # [T, K] distinct experts
+    w = torch.rand(T, K, generator=g)  # [T, K] FP32
+    try:
+        with torch.no_grad(), ep.padded_rows(1 + 5 * (world - 1)):
+            out = mine(x, w, ids)
+        ref = full(x, w, ids)
+        err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+        try:
+            with ep.padded_rows(T - 1):
+                mine(x, w, ids)
+            too_many = "no error"
+        except ep.EpError as e:
+            too_many = str(e)
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"err": err, "rows": T, "too_many": too_many}, f)
+
+
+def aligned_calls_worker(rank, world, port, out_dir):
+    """vLLM's model at EP2 on one step whose groups differ per rank (rank 0: a decode group of 2; rank 1: a decode
+    group of 1 and a 12-token prefill): ``dp.align_calls`` over gloo, then each call's experts inside its
+    ``padded_rows``, against all the experts on this rank alone."""
+    import copy
+
+    from dep_compile.integrations.vllm_k3.dp import align_calls
+    from dep_compile.integrations.vllm_k3.layout import build_groups
+    from dep_compile.runtime import ep
+    from dep_compile.stock import build_model, preset
+
+    _init(rank, world, port)
+    counts = [1, 1] if rank == 0 else [1, 12]
+    qsl = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()])
+    T = int(qsl[-1])
+    groups = build_groups(qsl, torch.tensor(counts, dtype=torch.int32) + 5, torch.arange(2).view(2, 1) + 1,
+                          torch.arange(T), width=4, decode_q=1)
+    cfg = preset("k31-small", num_layers=2)
+    ep.init_ep(cfg)
+    full = build_model(cfg, seed=1).model.layers[1].mlp.experts
+    mine = ep.shard_experts(copy.deepcopy(full), rank, world)
+    g = torch.Generator().manual_seed(rank)
+    calls, err = [], 0.0
+    try:
+        for grp, rows in align_calls(groups, dist.group.WORLD, 4, "cpu"):
+            n, q = grp.shape
+            x = torch.randn(n * q, cfg.moe_latent_size, generator=g).bfloat16()
+            ids = torch.rand(n * q, cfg.n_routed_experts, generator=g).argsort(-1)[:, :cfg.num_experts_per_tok]
+            w = torch.rand(n * q, cfg.num_experts_per_tok, generator=g)
+            with torch.no_grad(), ep.padded_rows(rows):
+                out = mine(x, w, ids)
+            ref = full(x, w, ids)
+            err = max(err, ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item())
+            calls.append([grp.kind, n, q, rows, grp.dest.numel()])
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"calls": calls, "err": err}, f)

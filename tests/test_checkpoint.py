@@ -247,3 +247,40 @@ def test_without_compressed_tensors_mxfp4_asks_for_the_extra(tmp_path):
     assert proc.returncode == 2 and not (tmp_path / "mxfp4").exists(), proc.stderr[-2000:]
     assert "(psutil is missing): pip install 'dep-compile[mxfp4]'" in proc.stderr
     assert run("bf16").returncode == 0 and (tmp_path / "bf16" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("experts", ["bf16", "mxfp4"])
+def test_an_ep_rank_loads_only_its_block_of_experts(experts, mxfp4_dir, tmp_path, bf16_model):
+    """A model built with EP rank r's block of 2 (``KimiK3Model(ep_rank, ep_size)``) holds half the experts, and
+    ``load_checkpoint(experts=block)`` copies exactly those experts' tensors into it (each equal to the full
+    model's), skips the other rank's, and still refuses a tensor of an expert the config does not have."""
+    from safetensors.torch import load_file
+
+    from dep_compile.integrations.checkpoint import expert_of, load_checkpoint
+    from dep_compile.runtime.ep import expert_block
+    from dep_compile.stock.model import KimiK3Model
+
+    d = mxfp4_dir if experts == "mxfp4" else make_checkpoint(PRESET, tmp_path / "bf16")
+    full = load_stock_model(d).model
+    tensors = {n: t for n, t in load_file(str(d / "model.safetensors")).items() if n.startswith("model.")}
+    cfg = full.config
+    E = cfg.n_routed_experts
+    for rank in range(2):
+        block = expert_block(E, rank, 2)
+        model = KimiK3Model(cfg, ep_rank=rank, ep_size=2)
+        params = {f"model.{n}": p for n, p in model.named_parameters()}
+        with torch.no_grad():
+            read = load_checkpoint(params, cfg, tensors.items(), block)
+        assert {expert_of(n) for n in read} - {None} == set(block)
+        assert len(read) == len([n for n in tensors if expert_of(n) is None or expert_of(n) in block])
+        mods = [m for m in model.modules() if hasattr(m, "expert_start")]
+        assert mods and all((m.expert_start, m.num_local, m.ep_size) == (block.start, E // 2, 2) for m in mods)
+        for name, p in model.named_parameters():
+            want = full.get_parameter(name)
+            if ".experts." in name:
+                assert p.shape[0] == E // 2 and p.shape[1:] == want.shape[1:], name
+                want = want[block.start:block.stop]
+            assert torch.equal(p, want), name
+        bad = next(n for n in tensors if expert_of(n) == 0).replace(".experts.0.", f".experts.{E}.")
+        with pytest.raises(ValueError, match=f"experts.{E}.*matches no parameter"):
+            load_checkpoint(params, cfg, [(bad, tensors[bad.replace(f".experts.{E}.", ".experts.0.")])], block)

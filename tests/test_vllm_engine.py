@@ -221,6 +221,100 @@ def test_continuous_batching_staggered_arrivals(tmp_path):
     print(f"staggered pass vs eager: {check_same_tokens(res, eager)}")
 
 
+def test_dep2_engine_shards_experts_and_matches_dp1(tmp_path):
+    """DEP in vLLM at DP2 x EP2, as vLLM's offline data-parallel example runs it (one process a DP rank, gloo),
+    with the pass: each rank builds and reads only its block of experts (parameter shapes, the checkpoint's
+    expert tensors it copied), the report names ``kimi_dep.moe[ep2]``, the ranks' steps differ (rank 0's requests
+    end 4 tokens earlier, so it runs vLLM's dummy steps while rank 1 decodes), every prompt's tokens equal the
+    DP1 engine's (eager, vLLM's own batches), parting only at a near-tie, and follow stock as the DP1 engine's do
+    (measured in two runs: 72 and 71 of 72 tokens stock's argmax on the same history, log-probabilities within 0.31
+    and 0.11; DP1: 71, 0.11; equal to DP1 on 57 and 72 of 72, the first parting at a 0.0034 near-tie)."""
+    sys.path.insert(0, str(RUNNER.parent))
+    from vllm_engine_run import PROMPTS
+
+    d = make_checkpoint("k31-small", tmp_path / "ckpt")
+    model = load_stock_model(d)
+    dp2, log = run_engine(d, "pass", tmp_path / "dp2.json", "--dp", "2", "--uneven")
+    dp1, _ = run_engine(d, "eager", tmp_path / "dp1.json", "--uneven")
+    E = model.config.n_routed_experts
+    for rank, shard in enumerate(dp2["shards"]):
+        block = list(range(rank * E // 2, (rank + 1) * E // 2))
+        assert shard["ep_size"] == [2] and shard["expert_start"] == [block[0]], shard
+        assert all(shape[0] == E // 2 for shape in shard["shapes"]), shard  # w13 / w2: [E/2, ...]
+        assert shard["experts_read"] == block, shard
+    moe_layers = KINDS["k31-small"]["moe"]
+    assert log.count("moe   rewritten  kimi_dep.moe[ep2]") == 2 * moe_layers, log[-3000:]
+    groups = [{(kind, n, q): count for kind, n, q, count in rank} for rank in dp2["groups"]]
+    assert groups[0].get(("dummy", 2, 2), 0) >= 4, groups  # vLLM's execute_dummy_batch: one token, as 2 x 2
+    print(f"DP2 groups (kind, n, q): count per rank {groups}")
+    print(f"DP2 x EP2 vs DP1: {check_same_tokens(dp2, dp1)}")
+    ref = stock_generate(model, PROMPTS, [MAX_TOKENS + 4 * (i % 2) for i in range(len(PROMPTS))])  # as --uneven
+    print(f"DP2 x EP2: {check_against_stock(model, dp2, ref)}")
+
+
+def test_layouts_the_model_cannot_serve_fail_at_engine_start(tmp_path):
+    """Tensor or pipeline parallelism, DP without expert parallelism (vLLM would split each expert by TP over the
+    DP ranks), and an EP size that does not divide the config's routed experts: a clear error when vLLM makes
+    the engine config, before any worker starts."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    d = make_checkpoint("k31-small", tmp_path / "ckpt")
+    bad = {"got tensor_parallel_size = 2": dict(tensor_parallel_size=2),
+           "got pipeline_parallel_size = 2": dict(pipeline_parallel_size=2),
+           "without enable_expert_parallel": dict(data_parallel_size=2),
+           "EP size 3 .* does not divide the config's 64 routed experts": dict(data_parallel_size=3,
+                                                                              enable_expert_parallel=True)}
+    for match, kw in bad.items():
+        with pytest.raises(ValueError, match=match):
+            EngineArgs(model=str(d), dtype="bfloat16", max_model_len=64, **kw).create_engine_config()
+    cfg = EngineArgs(model=str(d), dtype="bfloat16", max_model_len=64, data_parallel_size=2,
+                     enable_expert_parallel=True).create_engine_config()
+    assert cfg.parallel_config.data_parallel_size == 2 and cfg.parallel_config.enable_expert_parallel
+
+
+def test_a_step_padded_past_its_tokens_returns_every_row(tmp_path):
+    """A step whose ``input_ids`` vLLM padded past its tokens (DP with CUDA graphs pads every rank to one count;
+    ``forward_context`` / ``dp_utils``): the model returns a row per input, its real rows equal to the unpadded
+    step's, for a step that is one whole decode group and for a mixed one (decode + prefill groups)."""
+    from safetensors.torch import load_file
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.forward_context import set_forward_context
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    from dep_compile.integrations.vllm_k3.layout import build_groups
+    from dep_compile.integrations.vllm_k3.model import DepKimiK3ForCausalLM
+    from dep_compile.integrations.vllm_k3.step import KimiStepMetadata
+
+    d = make_checkpoint("k31-small", tmp_path / "ckpt")
+    vc = EngineArgs(model=str(d), dtype="bfloat16", max_model_len=64, enforce_eager=True).create_engine_config()
+    with set_current_vllm_config(vc), set_default_torch_dtype(torch.bfloat16):
+        model = DepKimiK3ForCausalLM(vllm_config=vc)
+    model.load_weights(load_file(str(d / "model.safetensors")).items())
+    caches = model.model.step
+    bs, width = caches.block_size, caches.width
+    g = torch.Generator().manual_seed(0)
+    # (tokens per request, context length after the step): two 1-token prompts, then one decodes and a 4-token
+    # prompt arrives; request i's blocks start at block i + 1
+    for counts, seq in (([1, 1], [1, 1]), ([1, 4], [2, 4])):
+        qsl = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()])
+        T = int(qsl[-1])
+        table = torch.arange(len(counts), dtype=torch.int32).view(-1, 1) + 1  # [n, 1]
+        slots = torch.cat([table[i, 0] * bs + torch.arange(s - c, s) for i, (c, s) in enumerate(zip(counts, seq))])
+        groups = build_groups(qsl, torch.tensor(seq, dtype=torch.int32), table, slots, width, decode_q=1)
+        md = {name: KimiStepMetadata(groups, T) for name in model.model.attn_names}
+        ids = torch.randint(2, model.config.vocab_size, (T + 3,), generator=g)  # 3 padding tokens
+        before = {k: v.clone() for k, v in caches.named_buffers()}
+        with torch.no_grad(), set_forward_context(md, vc):
+            padded = model(ids, torch.zeros_like(ids))
+            for k, v in caches.named_buffers():
+                v.copy_(before[k])  # the same step again, unpadded
+            ref = model(ids[:T], torch.zeros_like(ids[:T]))
+        assert padded.shape == (T + 3, model.config.hidden_size) and ref.shape[0] == T
+        assert torch.equal(padded[:T], ref), (counts, [grp.shape for grp in groups])
+    assert ("decode", 2, 1) in model.groups_run and ("prefill", 1, 4) in model.groups_run, model.groups_run
+
+
 def test_zero_match_warns_in_the_engine(tmp_path):
     """A model vLLM compiles whose graph holds no kimi_k3 op (a tiny Llama), with the pass on: the
     engine's log says why nothing was rewritten and how to select the dep_compile model, once."""

@@ -116,8 +116,10 @@ def _shards(cfg: K3Config) -> dict[str, list[tuple[str, int | None]]]:
     }
 
 
-def checkpoint_tensors(state_dict: dict[str, torch.Tensor], cfg: K3Config) -> dict[str, torch.Tensor]:
-    """The stock model's state dict under checkpoint names (packed parameters and experts split)."""
+def checkpoint_tensors(state_dict: dict[str, torch.Tensor], cfg: K3Config,
+                       expert_start: int = 0) -> dict[str, torch.Tensor]:
+    """The stock model's state dict under checkpoint names (packed parameters and experts split); its experts
+    are experts ``expert_start ..`` of the checkpoint (an EP rank's block)."""
     shards = _shards(cfg)
     out = {}
     for name, t in state_dict.items():
@@ -131,11 +133,12 @@ def checkpoint_tensors(state_dict: dict[str, torch.Tensor], cfg: K3Config) -> di
             I = cfg.moe_intermediate
             stack, _, suffix = leaf.partition("_")  # w13_weight_packed -> w13, weight_packed
             for e in range(t.shape[0]):
+                g = expert_start + e  # the expert's id in the checkpoint
                 if stack == "w13":  # [2I, ...]: gate rows, then up rows
-                    out[f"{parent}.experts.{e}.w1.{suffix}"] = t[e, :I].contiguous()
-                    out[f"{parent}.experts.{e}.w3.{suffix}"] = t[e, I:].contiguous()
+                    out[f"{parent}.experts.{g}.w1.{suffix}"] = t[e, :I].contiguous()
+                    out[f"{parent}.experts.{g}.w3.{suffix}"] = t[e, I:].contiguous()
                 else:  # w2 [Lat, ...]
-                    out[f"{parent}.experts.{e}.w2.{suffix}"] = t[e].contiguous()
+                    out[f"{parent}.experts.{g}.w2.{suffix}"] = t[e].contiguous()
         else:
             out[name] = t.contiguous()
     return out
@@ -144,14 +147,22 @@ def checkpoint_tensors(state_dict: dict[str, torch.Tensor], cfg: K3Config) -> di
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w2|w3)\.(weight|weight_packed|weight_scale)$")
 
 
-def load_target(name: str, cfg: K3Config, params: dict[str, torch.Tensor]) -> tuple[str, torch.Tensor] | None:
-    """Where checkpoint tensor ``name`` goes: (parameter name, the view of it to copy into), or None."""
+def expert_of(name: str) -> int | None:
+    """The routed expert a checkpoint tensor belongs to (``...experts.<e>.w1.weight``: e), or None."""
+    m = _EXPERT.match(name)
+    return None if m is None else int(m.group(2))
+
+
+def load_target(name: str, cfg: K3Config, params: dict[str, torch.Tensor],
+                expert_start: int = 0) -> tuple[str, torch.Tensor] | None:
+    """Where checkpoint tensor ``name`` goes: (parameter name, the view of it to copy into), or None; the
+    params' experts are experts ``expert_start ..`` of the checkpoint."""
     m = _EXPERT.match(name)
     if m is not None:
         pname = f"{m.group(1)}.{'w2' if m.group(3) == 'w2' else 'w13'}_{m.group(4)}"
         if pname not in params:
             return None
-        e, I = int(m.group(2)), cfg.moe_intermediate
+        e, I = int(m.group(2)) - expert_start, cfg.moe_intermediate
         dst = params[pname][e]
         return pname, {"w1": dst[:I], "w3": dst[I:], "w2": dst}[m.group(3)]
     if name in params:
@@ -194,34 +205,47 @@ def _check_dtype(name: str, t: torch.Tensor, want: torch.dtype) -> None:
         raise ValueError(f"checkpoint tensor {name} is {t.dtype}, not a floating-point weight")
 
 
-def load_checkpoint(params: dict[str, torch.Tensor], cfg: K3Config,
-                    tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-    """Copy checkpoint tensors into ``params`` (a model's named parameters); returns the parameters written.
+def _elsewhere(name: str, cfg: K3Config, experts: range, expected: dict) -> bool:
+    """Whether ``name`` is a routed expert's tensor, in the declared format, of an expert outside ``experts``."""
+    m = _EXPERT.match(name)
+    if m is None or int(m.group(2)) in experts or int(m.group(2)) >= cfg.n_routed_experts:
+        return False
+    return f"{m.group(1)}.{experts.start}.{m.group(3)}.{m.group(4)}" in expected
 
-    ValueError naming the tensor for one that matches no parameter, has another shape, or another kind
-    of dtype (uint8 codes and scales, floating-point weights), and for every tensor the checkpoint lacks.
+
+def load_checkpoint(params: dict[str, torch.Tensor], cfg: K3Config, tensors: Iterable[tuple[str, torch.Tensor]],
+                    experts: range | None = None) -> dict[str, str]:
+    """Copy checkpoint tensors into ``params`` (a model's named parameters); returns {checkpoint tensor: the
+    parameter it was copied into}.
+
+    ``experts``: the routed experts ``params`` hold (an EP rank's block; default all of them): the other
+    experts' tensors are skipped, not copied. ValueError naming the tensor for one that matches no parameter,
+    has another shape, or another kind of dtype (uint8 codes and scales, floating-point weights), and for
+    every tensor of ``params`` the checkpoint lacks.
     """
+    experts = range(cfg.n_routed_experts) if experts is None else experts
     meta = {n: torch.empty(p.shape, dtype=p.dtype, device="meta") for n, p in params.items()}
-    expected = {n: (t.shape, t.dtype) for n, t in checkpoint_tensors(meta, cfg).items()}
-    seen, loaded = set(), set()
+    expected = {n: (t.shape, t.dtype) for n, t in checkpoint_tensors(meta, cfg, experts.start).items()}
+    read = {}
     for name, t in tensors:
         if name.endswith(".weight_scale_inv") and cfg.dense_format == "fp8_block":  # DeepSeek's name for it
             name = name.removesuffix("_inv")
         if name not in expected:
+            if _elsewhere(name, cfg, experts, expected):
+                continue
             raise ValueError(_unknown(name, cfg))
         shape, dtype = expected[name]
         if t.shape != shape:
             raise ValueError(f"checkpoint tensor {name}: shape {tuple(t.shape)}, expected {tuple(shape)}")
         _check_dtype(name, t, dtype)
-        pname, dst = load_target(name, cfg, params)
+        pname, dst = load_target(name, cfg, params, experts.start)
         dst.copy_(t)
-        seen.add(name)
-        loaded.add(pname)
-    missing = [n for n in expected if n not in seen]
+        read[name] = pname
+    missing = [n for n in expected if n not in read]
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} tensors: {', '.join(missing[:4])}"
                          f"{', ...' if len(missing) > 4 else ''}")
-    return loaded
+    return read
 
 
 def write_tokenizer(directory: Path, vocab_size: int) -> None:
@@ -308,5 +332,5 @@ def load_stock_model(directory: str | Path):
     return model
 
 
-__all__ = ["ARCHITECTURE", "MODEL_TYPE", "hf_config", "config_from_hf", "checkpoint_tensors", "load_target",
-           "load_checkpoint", "quantize_experts", "quantize_dense", "make_checkpoint", "load_stock_model"]
+__all__ = ["ARCHITECTURE", "MODEL_TYPE", "hf_config", "config_from_hf", "checkpoint_tensors", "expert_of",
+           "load_target", "load_checkpoint", "quantize_experts", "quantize_dense", "make_checkpoint", "load_stock_model"]

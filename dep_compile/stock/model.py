@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..runtime.ep import expert_block
 from . import ops  # noqa: F401  (registers the kimi_k3 ops)
 from .attention import KimiDeltaAttention, KimiDSAAttention, KimiMLAAttention
 from .cache import KimiCache, StepMeta, check_step
@@ -16,9 +17,11 @@ from .mxfp4 import random_mxfp4
 
 
 class KimiDecoderLayer(nn.Module):
-    """AttnRes -> input norm -> attention -> AttnRes -> post-attention norm -> MLP or MoE."""
+    """AttnRes -> input norm -> attention -> AttnRes -> post-attention norm -> MLP or MoE (its routed experts
+    EP rank ``ep_rank``'s block of ``ep_size``)."""
 
-    def __init__(self, config: K3Config, layer: int, merged_indexer: bool = False):
+    def __init__(self, config: K3Config, layer: int, merged_indexer: bool = False, ep_rank: int = 0,
+                 ep_size: int = 1):
         super().__init__()
         self.kind = config.layer_kind(layer)
         if self.kind == "kda":
@@ -28,7 +31,8 @@ class KimiDecoderLayer(nn.Module):
         else:
             self.self_attn = KimiMLAAttention(config)
         if config.is_moe(layer):
-            self.mlp = KimiMoE(config)
+            block = expert_block(config.n_routed_experts, ep_rank, ep_size)
+            self.mlp = KimiMoE(config, len(block), block.start, ep_size)
         else:
             self.mlp = SiTUMLP(config, config.hidden_size, config.dense_intermediate)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_eps)
@@ -44,13 +48,15 @@ class KimiDecoderLayer(nn.Module):
 
 
 class KimiK3Model(nn.Module):
-    """Embedding, the decoder layers, the final norm (vLLM's ``model.*`` names)."""
+    """Embedding, the decoder layers, the final norm (vLLM's ``model.*`` names); built with only EP rank
+    ``ep_rank``'s block of the routed experts when ``ep_size`` > 1."""
 
-    def __init__(self, config: K3Config, merged_indexer: bool = False):
+    def __init__(self, config: K3Config, merged_indexer: bool = False, ep_rank: int = 0, ep_size: int = 1):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(KimiDecoderLayer(config, i, merged_indexer) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(KimiDecoderLayer(config, i, merged_indexer, ep_rank, ep_size)
+                                    for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_eps)
 
     def forward(self, input_ids: torch.Tensor, meta: StepMeta, cache: KimiCache) -> torch.Tensor:

@@ -20,6 +20,30 @@ def step_sizes(vllm_config) -> tuple[int, int, int]:
     return blocks, cache.block_size, 1 + (spec.num_speculative_tokens if spec is not None else 0)
 
 
+def ep_size(parallel_config, num_experts: int) -> int:
+    """The EP size the routed experts are sharded over (1: not sharded), for a parallel layout the model serves:
+    DEP, attention at TP1 on every rank and the experts split over the DP ranks (``--data-parallel-size N
+    --enable-expert-parallel``). ValueError naming the setting for any other layout."""
+    pc = parallel_config
+    how = "serve DEP as --tensor-parallel-size 1 --data-parallel-size N --enable-expert-parallel"
+    for name in ("tensor_parallel_size", "pipeline_parallel_size", "prefill_context_parallel_size",
+                 "decode_context_parallel_size"):
+        if getattr(pc, name, 1) > 1:  # (a vLLM without the setting has it at 1)
+            raise ValueError(f"the dep_compile K3 model runs attention at TP1 on every rank, with no model split "
+                             f"(DEP); got {name} = {getattr(pc, name)}: {how}")
+    dp = pc.data_parallel_size
+    if not pc.enable_expert_parallel:
+        if dp > 1:
+            raise ValueError(f"data_parallel_size = {dp} without enable_expert_parallel: vLLM would split every "
+                             f"expert by tensor parallelism over the {dp} ranks, which the kimi_dep MoE op does not "
+                             f"do; {how}")
+        return 1
+    if num_experts % dp:
+        raise ValueError(f"EP size {dp} (data_parallel_size with enable_expert_parallel) does not divide the "
+                         f"config's {num_experts} routed experts: each EP rank owns an equal block of them")
+    return dp
+
+
 class DepKimiK3EngineConfig:
     """vLLM's per-architecture hook (``MODELS_CONFIG_MAP``): the engine settings the model relies on.
 
@@ -31,10 +55,12 @@ class DepKimiK3EngineConfig:
     - A checkpoint's ``quantization_config`` (K3's MXFP4 experts) is checked, then hidden from vLLM's
       quantization: the model reads it from ``text_config`` and builds its own MXFP4 experts, so vLLM
       must not make a quant method (compressed-tensors) that the model's plain modules would ignore.
+    - The parallel layout is checked (``ep_size``) before any worker starts.
     """
 
     @staticmethod
     def verify_and_update_config(vllm_config) -> None:
+        ep_size(vllm_config.parallel_config, vllm_config.model_config.hf_text_config.num_experts)
         sched, cache = vllm_config.scheduler_config, vllm_config.cache_config
         cache.enable_prefix_caching = False
         if cache.num_gpu_blocks_override is None:
@@ -55,4 +81,4 @@ class DepKimiK3EngineConfig:
         arch.quantization_config = None
 
 
-__all__ = ["DepKimiK3EngineConfig", "step_sizes"]
+__all__ = ["DepKimiK3EngineConfig", "ep_size", "step_sizes"]

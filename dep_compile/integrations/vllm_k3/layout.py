@@ -27,7 +27,7 @@ from torch import Tensor
 class StepGroup:
     """n requests x q token slots of one step, as the compiled decoder takes them."""
 
-    kind: str  # "decode" (q = 1), "verify" (1 < q <= decode_q) or "prefill"
+    kind: str  # "decode" (q = 1), "verify" (1 < q <= decode_q), "prefill"; "dummy", "padding" (no metadata; dp.py)
     tokens: Tensor  # [n*q] int64: the flat-batch token each slot reads (a padding slot reads token 0)
     slot_mapping: Tensor  # [n, q] int64: cache slot per token slot, -1 = padding
     block_table: Tensor  # [n, W] int32
