@@ -11,8 +11,9 @@ decode projections and M = 1..64 rows. For every (shape, rows) it
 2. times stock and a sweep of ``SplitK`` tactics (block_k 128) over CUDA-graph replays with weights rotated
    past L2, medians (``benchmarks/common.py``);
 
-then prints a table (µs, TB/s of weight + scale bytes, fraction of the 4.33 TB/s floor, stock / kimi_dep) and
-the best tactic per bin as Python literals for ``tactics.py``, and writes ``projection_fp8.json`` to ``--out``.
+then prints a table (µs, TB/s of weight + scale bytes, fraction of the 4.33 TB/s floor, stock / kimi_dep, the
+best tactic) and writes ``projection_fp8.json`` and ``projection_fp8.png`` to ``--out`` (``--replot JSON`` redraws
+a saved run).
 It first prints which blockwise ``torch._scaled_mm`` scale layouts this torch takes on this GPU, and times the
 first that works as a second stock candidate (one ``_scaled_mm`` per row segment, ``scaled_mm_linear``).
 
@@ -24,6 +25,7 @@ Run from the repository root on a CUDA machine::
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -195,6 +197,34 @@ def measure(name: str, segments: list[int], k: int, rows: int, configs, args) ->
     return res
 
 
+def plot(results: list[dict], path: str) -> str | None:
+    """TB/s of weight + scale bytes against rows, per shape: kimi_dep's best tactic and stock, with the floor."""
+    panels = []
+    for name in dict.fromkeys(r["name"] for r in results):
+        rs = [r for r in results if r["name"] == name]
+        panels.append({"title": f"{name} ({rs[0]['n']} x {rs[0]['k']}, FP8 blocks)", "x": [r["rows"] for r in rs],
+                       "series": {"kimi_dep FP8 split-K": [common.tbps(r["bytes"], r["best_us"]) if r.get("best_us")
+                                                           else None for r in rs],
+                                  "stock FP8 (cuBLAS blockwise / Triton)": [common.tbps(r["bytes"], r["stock_us"])
+                                                                           for r in rs]},
+                       "hlines": {"4.33 TB/s floor": common.HBM_PRACTICAL_BPS / 1e12}})
+    return common.plot_panels(path, panels, xlabel="rows (tokens)", ylabel="TB/s of weight + scale bytes",
+                              suptitle="FP8 block-scaled projections, H200")
+
+
+def table(results: list[dict]) -> str:
+    """The printed table: per (shape, rows) stock and kimi_dep µs, TB/s, fraction of the floor, ratio, tactic."""
+    rows_out = []
+    for r in results:
+        b, smm = r.get("best_us"), r.get("scaled_mm_us")
+        rows_out.append([r["name"], r["rows"], f"{r['stock_us']:.1f}", f"{smm:.1f}" if smm else "-",
+                         f"{b:.1f}" if b else "-", f"{common.tbps(r['bytes'], b):.2f}" if b else "-",
+                         f"{r['floor_us'] / b:.2f}" if b else "-", f"{r['stock_us'] / b:.2f}" if b else "-",
+                         r.get("best", "-")])
+    return common.format_table(["shape", "rows", "stock us", "scaled_mm us", "kimi_dep us", "TB/s", "floor / time",
+                                "stock / kimi_dep", "tactic"], rows_out)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
@@ -204,19 +234,26 @@ def main(argv=None) -> int:
     p.add_argument("--replays", type=int, default=10)
     p.add_argument("--replay-us", type=float, default=1500.0)
     p.add_argument("--max-err", type=float, default=2e-2, help="largest max error / max |ref| a tactic may have")
+    p.add_argument("--replot", default=None, help="a projection_fp8.json: print its table, redraw its plot, exit")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
+    if args.replot:
+        with open(args.replot) as f:
+            results = json.load(f)["results"]
+        print(table(results))
+        print(plot(results, os.path.join(args.out, "projection_fp8.png")))
+        return 0
     import dep_compile  # noqa: F401,PLC0415 - registers the kimi_k3 ops
 
     lines, args.layout = probe_scaled_mm()
     print("\n".join(lines), flush=True)
     configs = CONFIGS if args.configs is None else [tuple(int(v) for v in c.split("/"))
                                                     for c in args.configs.split(",")]
-    table = shapes()
+    by_name = shapes()
     results = []
     t0 = time.time()
     for name in args.shapes.split(","):
-        segments, k = table[name]
+        segments, k = by_name[name]
         for rows in (int(r) for r in args.rows.split(",")):
             r = measure(name, segments, k, rows, configs, args)
             results.append(r)
@@ -225,19 +262,9 @@ def main(argv=None) -> int:
                   f"{r.get('best')} {r.get('best_us', float('nan')):.1f} us (err "
                   f"{r.get('best_err', (float('nan'),))[0]:.1e}), floor {r['floor_us']:.1f} us  "
                   f"[{time.time() - t0:.0f} s]", flush=True)
-    rows_out = []
-    for r in results:
-        b = r.get("best_us")
-        smm = r.get("scaled_mm_us")
-        rows_out.append([r["name"], r["rows"], f"{r['stock_us']:.1f}", f"{smm:.1f}" if smm else "-",
-                         f"{b:.1f}" if b else "-",
-                         f"{common.tbps(r['bytes'], b):.2f}" if b else "-",
-                         f"{r['floor_us'] / b:.2f}" if b else "-", f"{r['stock_us'] / b:.2f}" if b else "-",
-                         r.get("best", "-")])
-    print(common.format_table(["shape", "rows", "stock us", "scaled_mm us", "kimi_dep us", "TB/s", "x floor^-1", "stock/dep",
-                               "tactic"], rows_out))
+    print(table(results))
     path = common.write_json(os.path.join(args.out, "projection_fp8.json"), {"results": results})
-    print(f"wrote {path}")
+    print(f"wrote {path}, {plot(results, os.path.join(args.out, 'projection_fp8.png'))}")
     return 0
 
 
