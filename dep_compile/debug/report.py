@@ -8,6 +8,7 @@ import json
 import torch
 
 CPU_TACTICS = "torch.mm on CPU (the measured tactic tables are for CUDA)"
+CPU_TACTICS_FP8 = "stock's FP8 op on CPU (the measured tactic tables are for CUDA)"
 
 
 @dataclasses.dataclass
@@ -78,7 +79,7 @@ class MatchReport:
         rows = []
         for m in self.layers:
             if m.rewritten:
-                detail = _tactics(m.tactics)
+                detail = _tactics(m.tactics, fp8="fp8_block" in (m.op or ""))
             else:
                 detail = ("structure check failed: " if m.check == "structure" else "") + m.reason \
                     + (f" [node {m.node}]" if m.node else "")
@@ -113,11 +114,11 @@ class MatchReport:
         return json.dumps(dataclasses.asdict(self), indent=2, default=str)
 
 
-def _tactics(tactics: dict[str, dict[int, str]]) -> str:
+def _tactics(tactics: dict[str, dict[int, str]], fp8: bool = False) -> str:
     """Each projection's tactics by batch; on a machine without CUDA where every one is cuBLAS (the
-    default tables: ``DepOptions.tables_for``), what runs there instead."""
+    default tables: ``DepOptions.tables_for``), what runs there instead (``fp8``: FP8 block-scaled weights)."""
     if not torch.cuda.is_available() and all(t == "cublas" for tab in tactics.values() for t in tab.values()):
-        return CPU_TACTICS
+        return CPU_TACTICS_FP8 if fp8 else CPU_TACTICS
     return "; ".join(f"{p}: {_bins(tab)}" for p, tab in tactics.items())
 
 
