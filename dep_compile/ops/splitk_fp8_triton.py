@@ -29,7 +29,7 @@ import triton.language as tl
 from dep_compile.stock.fp8_block_cuda import quantize_activations
 from dep_compile.tactics import SplitK
 
-from .splitk_triton import splitk_block_m, splitk_grid, splitk_workspace_numel
+from .splitk_triton import splitk_block_m, splitk_buffers, splitk_grid, splitk_store
 
 __all__ = ["fp8_splitk_linear", "fp8_splitk_check"]
 
@@ -98,24 +98,8 @@ def _fp8_splitk_kernel(
         xs_ptrs += 1
         w_ptrs += 128
 
-    out_mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
-    out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
-    if SPLIT_K == 1:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        mn = M.to(tl.int64) * N
-        p_ptrs = part_ptr + offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
-        tl.store(p_ptrs + pid_k * mn, acc, mask=out_mask)
-        tl.debug_barrier()  # every thread's partial is written before thread 0 releases the arrival
-        n_tiles = tl.num_programs(0) // SPLIT_K
-        cnt = cnt_ptr + pid_m * n_tiles + pid_n
-        arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):  # fixed order: deterministic sum
-                total += tl.load(p_ptrs + s * mn, mask=out_mask, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+    splitk_store(acc, out_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, pid_m, pid_n, pid_k,
+                 BLOCK_M, BLOCK_N, SPLIT_K, False)
 
 
 def fp8_splitk_check(x, w, scale, scale_row, out, tactic: SplitK) -> None:
@@ -142,17 +126,7 @@ def fp8_splitk_linear(x, w, scale, scale_row, out, tactic: SplitK, workspace=Non
     n = w.shape[0]
     split_k = tactic.split_k
     k_per_split = triton.cdiv(triton.cdiv(k, GROUP), split_k) * GROUP
-    if split_k > 1:
-        need = splitk_workspace_numel(m, n, tactic)
-        if workspace is None:
-            workspace = torch.zeros(need, dtype=torch.float32, device=x.device)
-        if workspace.dtype != torch.float32 or not workspace.is_contiguous() or workspace.numel() < need:
-            raise ValueError(f"fp8_splitk_linear: workspace must be contiguous fp32 with >= {need} elements")
-        grid = splitk_grid(m, n, tactic)
-        n_cnt = (grid[0] // split_k) * grid[1]
-        parts, counters = workspace, workspace.view(torch.int32)[workspace.numel() - n_cnt:]
-    else:
-        parts = counters = out  # unused
+    parts, counters = splitk_buffers(workspace, m, n, tactic, out, "fp8_splitk_linear")
     xq, xs = quantize_activations(x)
     bm = splitk_block_m(m)
     per_stage = (tactic.block_n + bm) * GROUP  # bytes: the FP8 weight and activation tiles

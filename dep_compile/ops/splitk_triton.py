@@ -74,7 +74,9 @@ except ImportError:  # pragma: no cover - older Triton
     gdc_launch_dependents = gdc_wait = None
 
 __all__ = [
+    "splitk_buffers",
     "splitk_linear",
+    "splitk_store",
     "splitk_partials",
     "splitk_workspace",
     "splitk_workspace_numel",
@@ -151,6 +153,34 @@ def _prefetch_rows_l2(row_ptrs, nbytes):
         is_pure=False,
         pack=1,
     )
+
+
+@triton.jit
+def splitk_store(acc, out_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, pid_m, pid_n, pid_k,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, PARTIALS_ONLY: tl.constexpr):
+    """A program's epilogue: ``acc [BLOCK_N, BLOCK_M]`` (FP32, operands swapped) cast and stored to ``out``; with
+    ``SPLIT_K > 1`` stored as this K-slice's partial, and the row tile's last program to arrive sums the
+    partials in slice order, stores ``out`` and resets the counter (not with ``PARTIALS_ONLY``)."""
+    out_mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
+    out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        mn = M.to(tl.int64) * N
+        p_ptrs = part_ptr + offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
+        tl.store(p_ptrs + pid_k * mn, acc, mask=out_mask)
+        if not PARTIALS_ONLY:
+            # Every thread's partial is written before thread 0 releases the arrival.
+            tl.debug_barrier()
+            n_tiles = tl.num_programs(0) // SPLIT_K
+            cnt = cnt_ptr + pid_m * n_tiles + pid_n
+            arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:
+                total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+                for s in tl.static_range(SPLIT_K):  # fixed order: deterministic sum
+                    total += tl.load(p_ptrs + s * mn, mask=out_mask, other=0.0, cache_modifier=".cg")
+                tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+                tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -232,27 +262,22 @@ def _splitk_kernel(
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
-    out_mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
-    out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
-    if SPLIT_K == 1:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        mn = M.to(tl.int64) * N
-        p_ptrs = part_ptr + offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
-        tl.store(p_ptrs + pid_k * mn, acc, mask=out_mask)
-        if PARTIALS_ONLY:
-            return
-        # Every thread's partial is written before thread 0 releases the arrival.
-        tl.debug_barrier()
-        n_tiles = tl.num_programs(0) // SPLIT_K
-        cnt = cnt_ptr + pid_m * n_tiles + pid_n
-        arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):  # fixed order: deterministic sum
-                total += tl.load(p_ptrs + s * mn, mask=out_mask, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+    splitk_store(acc, out_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, pid_m, pid_n, pid_k,
+                 BLOCK_M, BLOCK_N, SPLIT_K, PARTIALS_ONLY)
+
+
+def splitk_buffers(workspace, m: int, n: int, tactic: SplitK, out: torch.Tensor, fn: str):
+    """(partials, arrival counters) of a ``split_k > 1`` call in ``workspace`` (checked; None: a zeroed one made
+    for this call); for ``split_k == 1`` both are ``out`` (unused)."""
+    if tactic.split_k == 1:
+        return out, out
+    need = splitk_workspace_numel(m, n, tactic)
+    if workspace is None:
+        workspace = torch.zeros(need, dtype=torch.float32, device=out.device)
+    if workspace.dtype != torch.float32 or not workspace.is_contiguous() or workspace.numel() < need:
+        raise ValueError(f"{fn}: workspace must be contiguous fp32 with >= {need} elements "
+                         f"(got {workspace.dtype}, {workspace.numel()})")
+    return workspace, workspace.view(torch.int32)[workspace.numel() - _counter_numel(m, n, tactic):]
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, fn: str = "splitk_linear") -> tuple[int, int, int]:
@@ -296,21 +321,7 @@ def splitk_linear(
     split_k = tactic.split_k
     k_per_split = _k_per_split(k, tactic)
     grid = splitk_grid(m, n, tactic)
-    if split_k > 1:
-        need = splitk_workspace_numel(m, n, tactic)
-        if workspace is None:
-            workspace = torch.zeros(need, dtype=torch.float32, device=x.device)
-        if workspace.dtype != torch.float32 or not workspace.is_contiguous() or workspace.numel() < need:
-            raise ValueError(
-                f"splitk_linear: workspace must be contiguous fp32 with >= {need} elements "
-                f"(got {workspace.dtype}, {workspace.numel()})"
-            )
-        n_cnt = _counter_numel(m, n, tactic)
-        total = workspace.numel()
-        parts = workspace
-        counters = workspace.view(torch.int32)[total - n_cnt :]
-    else:
-        parts = counters = out  # unused
+    parts, counters = splitk_buffers(workspace, m, n, tactic, out, "splitk_linear")
     if pdl and (w.stride(0) % 8 != 0 or w.data_ptr() % 16 != 0):
         prefetch_k = 0
     w_desc = None
