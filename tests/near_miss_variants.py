@@ -30,7 +30,8 @@ carry one variant per slot (the property test does that).
 
 ``experts_format``: a variant of models with that routed-experts format only (``"mxfp4"``: K3's own); the
 near-miss test builds its model in it, the property test applies it where the drawn config has it.
-``dense_format`` likewise, for the FP8 block-scaled dense projections (``"fp8_block"``).
+``dense_format``: the dense projections' format of the models a variant applies to, ``"bf16"`` unless it
+is one of the FP8 block-scaled variants (``"fp8_block"``): most variants spell BF16 projections.
 
 The kind-wide keyword spellings (every call with keyword arguments) live here as well
 (``KwDSA``, ``KwKDA``, ``KwRouter``, ``KwMoE``, ``KwShared``, ``KwExperts``), for
@@ -117,13 +118,13 @@ class Variant:
     note: str = ""
     core: bool = True  # in the default (fast) CPU run of tests/test_near_miss.py; see CORE below
     experts_format: str | None = None  # a variant of that experts format's models only ("mxfp4"); None: any
-    dense_format: str | None = None  # a variant of that dense format's models only ("fp8_block"); None: any
+    dense_format: str = "bf16"  # the dense format of the models it applies to (most spell the BF16 projections)
 
     def config(self, cfg):
         """``cfg`` in the experts and dense formats the variant needs."""
         if self.experts_format:
             cfg = cfg.replace(experts_format=self.experts_format)
-        return cfg.replace(dense_format=self.dense_format) if self.dense_format else cfg
+        return cfg.replace(dense_format=self.dense_format)
 
     @property
     def row_kind(self) -> str:
@@ -133,7 +134,7 @@ class Variant:
     def layers(self, cfg) -> list[int]:
         """The layers this variant can apply to in ``cfg``."""
         n = cfg.num_layers
-        if self.experts_format not in (None, cfg.experts_format) or self.dense_format not in (None, cfg.dense_format):
+        if self.experts_format not in (None, cfg.experts_format) or self.dense_format != cfg.dense_format:
             return []
         if self.kind == "dsa":
             return [i for i in range(n) if cfg.layer_kind(i) == "dsa"]

@@ -27,8 +27,11 @@ from dep_compile.stock import build_model, preset
 from near_miss_variants import BASE_RUN, EITHER, REWRITE, check_report, compile_and_compare
 
 DSA_VARIANTS = [v for v in EITHER + REWRITE if v.kind == "dsa"]
-# a 4-layer decoder has one DSA layer: one DSA variant per case, so enough cases that each comes up once
-NUM_CASES = max(30, len(DSA_VARIANTS))
+# a 4-layer decoder has one DSA layer: one DSA variant per case, so enough cases that each comes up once; then
+# FP8_CASES on models with FP8 block-scaled projections, where the FP8 variants (and only they) apply
+BF16_CASES = max(30, len(DSA_VARIANTS))
+FP8_CASES = 3
+NUM_CASES = BF16_CASES + FP8_CASES
 N_EITHER, N_REWRITE = 2, 2  # besides the DSA variant: near misses and re-spellings of KDA, MoE and router
 
 
@@ -52,7 +55,7 @@ class Cycle:
         return None
 
 
-def random_config(rng: random.Random):
+def random_config(rng: random.Random, dense_format: str = "bf16"):
     name = rng.choice(["k31-small", "mixed-small"])
     changes = {}
     if rng.random() < 0.6:
@@ -69,6 +72,8 @@ def random_config(rng: random.Random):
         changes["situ_beta"] = rng.choice([4.0, 3.0, 6.0])
     if rng.random() < 0.5:
         changes["experts_format"] = "mxfp4"  # K3's shipped experts (the MXFP4 variants apply only there)
+    if dense_format != "bf16":
+        changes["dense_format"] = dense_format
     return name, changes, preset(name, num_layers=4, **changes)
 
 
@@ -89,7 +94,7 @@ def plan_cases():
     plans = []
     for seed in range(NUM_CASES):
         rng = random.Random(seed)
-        name, changes, cfg = random_config(rng)
+        name, changes, cfg = random_config(rng, "bf16" if seed < BF16_CASES else "fp8_block")
         used, applied = set(), []
         for cycle, count in cycles:
             for _ in range(count):
