@@ -344,6 +344,48 @@ def test_a_step_padded_past_its_tokens_returns_every_row(tmp_path):
     assert ("decode", 2, 1) in model.groups_run and ("prefill", 1, 4) in model.groups_run, model.groups_run
 
 
+def test_fp8_weights_load_into_the_model_packed(tmp_path):
+    """``load_weights`` on an FP8 dense checkpoint whose block scales carry DeepSeek's ``weight_scale_inv`` name:
+    every parameter equals the torch loader's (``load_stock_model``), each DSA and MoE group's codes and scales are
+    packed zero-copy; a block scale of another shape fails naming the tensor."""
+    from safetensors.torch import load_file
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    from dep_compile.integrations.vllm_k3.model import DepKimiK3ForCausalLM
+    from dep_compile.ops.packing import packed_view
+
+    d = make_checkpoint("k31-small", tmp_path / "ckpt", experts="mxfp4", dense="fp8_block")
+    tensors = {n + ("_inv" if n.endswith(".weight_scale") and t.dtype == torch.float32 else ""): t
+               for n, t in load_file(str(d / "model.safetensors")).items()}
+    vc = EngineArgs(model=str(d), dtype="bfloat16", max_model_len=64, enforce_eager=True).create_engine_config()
+    with set_current_vllm_config(vc), set_default_torch_dtype(torch.bfloat16):
+        model = DepKimiK3ForCausalLM(vllm_config=vc)
+    model.load_weights(tensors.items())
+    ref = dict(load_stock_model(d).named_parameters())
+    got = dict(model.named_parameters())
+    assert got.keys() == ref.keys()
+    for n, p in got.items():
+        as_bits = (lambda t: t.view(torch.uint8)) if p.dtype == torch.float8_e4m3fn else (lambda t: t)
+        assert p.dtype == ref[n].dtype and torch.equal(as_bits(p), as_bits(ref[n])), n
+    groups = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if hasattr(attn, "indexer"):
+            groups.append([attn.fused_qkv_a_g_proj, attn.indexer.wk, attn.indexer.weights_proj])
+        if hasattr(mlp, "routed_expert_down_proj"):
+            groups.append([mlp.shared_experts.gate_up_proj, mlp.routed_expert_down_proj])
+    assert len(groups) == 2 + 7  # k31-small: 2 DSA layers, 7 MoE layers
+    for g in groups:
+        assert g[0].weight.dtype == torch.float8_e4m3fn
+        assert packed_view([lin.weight for lin in g]) is not None
+        assert packed_view([lin.weight_scale for lin in g]) is not None
+    q_b = "model.layers.3.self_attn.q_b_proj.weight_scale"
+    with pytest.raises(ValueError, match=f"checkpoint tensor {q_b}: shape \\(1, 2\\), expected \\(2, 1\\)"):
+        model.load_weights({**tensors, f"{q_b}_inv": torch.ones(1, 2)}.items())
+
+
 def test_zero_match_warns_in_the_engine(tmp_path):
     """A model vLLM compiles whose graph holds no kimi_k3 op (a tiny Llama), with the pass on: the
     engine's log says why nothing was rewritten and how to select the dep_compile model, once."""
