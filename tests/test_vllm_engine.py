@@ -64,13 +64,16 @@ ENV = dict(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1", VLLM_CP
            VLLM_ENABLE_V1_MULTIPROCESSING="0")
 KINDS = {"k31-small": {"dsa": 2, "kda": 6, "moe": 7, "mla": 0}, "k3-small": {"dsa": 0, "kda": 6, "moe": 7, "mla": 2},
          "mixed-small": {"dsa": 1, "kda": 6, "moe": 7, "mla": 1}}
-# case -> (preset, routed experts' format, weight seed, vLLM's CPU path with AMX): each preset in BF16 without
-# AMX, K3.1 with MXFP4 experts as K3 ships them, and K3.1 on the AMX path where the CPU has AMX. Seed 1 for MXFP4:
+# case -> (preset, routed experts' format, dense projections' format, weight seed, vLLM's CPU path with AMX): each
+# preset in BF16 without AMX, K3.1 with MXFP4 experts as K3 ships them, K3.1 with MXFP4 experts and FP8 block dense
+# projections as the derived FP8 checkpoints, and K3.1 on the AMX path where the CPU has AMX. Seed 1 for MXFP4:
 # with seed 0, the third prompt's best two first tokens lie 0.002 apart in logits, and the eager engine takes the
 # other one (the first-token check wants stock's argmax); seed 1's are >= 0.17 apart.
 HAS_AMX = torch.cpu._is_amx_tile_supported()
-CASES = {**{name: (name, "bf16", 0, False) for name in KINDS}, "k31-small-mxfp4": ("k31-small", "mxfp4", 1, False),
-         **({"k31-small-amx": ("k31-small", "bf16", 0, True)} if HAS_AMX else {})}
+CASES = {**{name: (name, "bf16", "bf16", 0, False) for name in KINDS},
+         "k31-small-mxfp4": ("k31-small", "mxfp4", "bf16", 1, False),
+         "k31-small-fp8": ("k31-small", "mxfp4", "fp8_block", 1, False),
+         **({"k31-small-amx": ("k31-small", "bf16", "bf16", 0, True)} if HAS_AMX else {})}
 DEFAULT_SEQS = 256  # vLLM 0.32's max_num_seqs for the LLM class on CPU (engine/arg_utils.py, default batch sizes)
 
 
@@ -140,10 +143,10 @@ def checkpoint(request, tmp_path_factory):
     sys.path.insert(0, str(RUNNER.parent))
     from vllm_engine_run import PROMPTS
 
-    preset, experts, seed, _ = CASES[request.param]
-    d = make_checkpoint(preset, tmp_path_factory.mktemp(request.param), seed=seed, experts=experts)
+    preset, experts, dense, seed, _ = CASES[request.param]
+    d = make_checkpoint(preset, tmp_path_factory.mktemp(request.param), seed=seed, experts=experts, dense=dense)
     model = load_stock_model(d)
-    assert model.config.experts_format == experts
+    assert (model.config.experts_format, model.config.dense_format) == (experts, dense)
     tokens = stock_generate(model, PROMPTS, MAX_TOKENS)
     return request.param, d, model, tokens
 
@@ -151,9 +154,10 @@ def checkpoint(request, tmp_path_factory):
 def test_greedy_with_pass_and_eager_match_stock(checkpoint, tmp_path):
     """At vLLM's budgets, with the pass (mode 3) equals without it (eager), token for token; both follow stock;
     the report: one graph for every step kind, every DSA, KDA and MoE rewritten (MXFP4 experts: into
-    kimi_dep.moe_mxfp4), MLA stock, and no warning that an attention layer stayed stock."""
+    kimi_dep.moe_mxfp4; FP8 dense projections: each op tagged [fp8_block]), MLA stock, no warning that an
+    attention layer stayed stock, and none that packed weights (FP8: codes and block scales) are concatenated."""
     name, d, model, ref = checkpoint
-    preset, experts, _, amx = CASES[name]
+    preset, experts, dense, _, amx = CASES[name]
     dump = tmp_path / "dump"
     runs = {}
     for mode in ("pass", "eager"):
@@ -171,11 +175,14 @@ def test_greedy_with_pass_and_eager_match_stock(checkpoint, tmp_path):
         found = [r for r in rows if r["kind"] == kind]
         assert len(found) == count, (kind, found)
         assert all(r["rewritten"] == (kind != "mla") for r in found), found
-    moe_op = {"bf16": "kimi_dep.moe", "mxfp4": "kimi_dep.moe_mxfp4"}[experts]
+    tag = "[fp8_block]" if dense == "fp8_block" else ""
+    moe_op = {"bf16": "kimi_dep.moe", "mxfp4": "kimi_dep.moe_mxfp4"}[experts] + tag
     assert all(r["op"] == moe_op for r in rows if r["kind"] == "moe"), rows
+    assert all(("[fp8_block]" in r["op"]) == bool(tag) for r in rows if r["kind"] in ("dsa", "kda")), rows
     log = runs["pass"][1]
     assert log.count("kimi_dep match report (steps served: every step on this graph, q_len symbolic") == 1, log[-3000:]
     assert "kimi_dep.kda_attention" in log and "DSA/KDA layer(s) of graph" not in log  # in the log; no stock warning
+    assert "not packed" not in log, log[-3000:]  # pack_model_weights packed every group zero-copy
 
 
 def test_mxfp4_checkpoint_in_vllms_config(tmp_path):
@@ -200,6 +207,28 @@ def test_mxfp4_checkpoint_in_vllms_config(tmp_path):
     config["text_config"]["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 16
     (d / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="weights.group_size is 16"):
+        EngineArgs(model=str(d), **args).create_engine_config()
+
+
+def test_fp8_dense_checkpoint_in_vllms_config(tmp_path):
+    """MXFP4 experts with FP8 block-scaled dense projections (a mixed-precision quantization_config): the hook
+    accepts both groups and keeps vLLM's quantization off (the model builds its own FP8 linears); an FP8 group of
+    another block size fails at once."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from dep_compile.integrations.quantization import quantization_config
+    from dep_compile.integrations.vllm_k3.model import k3_config
+
+    d = make_checkpoint("k31-small", tmp_path / "ok", experts="mxfp4", dense="fp8_block")
+    args = {"dtype": "bfloat16", "max_model_len": 64}
+    cfg = EngineArgs(model=str(d), **args).create_engine_config()
+    assert cfg.model_config.hf_config.quantization_config == quantization_config("mxfp4", "fp8_block")
+    assert cfg.model_config.quantization is None and cfg.quant_config is None
+    assert (k3_config(cfg).experts_format, k3_config(cfg).dense_format) == ("mxfp4", "fp8_block")
+    config = json.loads((d / "config.json").read_text())
+    config["text_config"]["quantization_config"]["config_groups"]["group_1"]["weights"]["block_structure"] = [64, 64]
+    (d / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="weights.block_structure is \\[64, 64\\]"):
         EngineArgs(model=str(d), **args).create_engine_config()
 
 
@@ -313,6 +342,48 @@ def test_a_step_padded_past_its_tokens_returns_every_row(tmp_path):
         assert padded.shape == (T + 3, model.config.hidden_size) and ref.shape[0] == T
         assert torch.equal(padded[:T], ref), (counts, [grp.shape for grp in groups])
     assert ("decode", 2, 1) in model.groups_run and ("prefill", 1, 4) in model.groups_run, model.groups_run
+
+
+def test_fp8_weights_load_into_the_model_packed(tmp_path):
+    """``load_weights`` on an FP8 dense checkpoint whose block scales carry DeepSeek's ``weight_scale_inv`` name:
+    every parameter equals the torch loader's (``load_stock_model``), each DSA and MoE group's codes and scales are
+    packed zero-copy; a block scale of another shape fails naming the tensor."""
+    from safetensors.torch import load_file
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    from dep_compile.integrations.vllm_k3.model import DepKimiK3ForCausalLM
+    from dep_compile.ops.packing import packed_view
+
+    d = make_checkpoint("k31-small", tmp_path / "ckpt", experts="mxfp4", dense="fp8_block")
+    tensors = {n + ("_inv" if n.endswith(".weight_scale") and t.dtype == torch.float32 else ""): t
+               for n, t in load_file(str(d / "model.safetensors")).items()}
+    vc = EngineArgs(model=str(d), dtype="bfloat16", max_model_len=64, enforce_eager=True).create_engine_config()
+    with set_current_vllm_config(vc), set_default_torch_dtype(torch.bfloat16):
+        model = DepKimiK3ForCausalLM(vllm_config=vc)
+    model.load_weights(tensors.items())
+    ref = dict(load_stock_model(d).named_parameters())
+    got = dict(model.named_parameters())
+    assert got.keys() == ref.keys()
+    for n, p in got.items():
+        as_bits = (lambda t: t.view(torch.uint8)) if p.dtype == torch.float8_e4m3fn else (lambda t: t)
+        assert p.dtype == ref[n].dtype and torch.equal(as_bits(p), as_bits(ref[n])), n
+    groups = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if hasattr(attn, "indexer"):
+            groups.append([attn.fused_qkv_a_g_proj, attn.indexer.wk, attn.indexer.weights_proj])
+        if hasattr(mlp, "routed_expert_down_proj"):
+            groups.append([mlp.shared_experts.gate_up_proj, mlp.routed_expert_down_proj])
+    assert len(groups) == 2 + 7  # k31-small: 2 DSA layers, 7 MoE layers
+    for g in groups:
+        assert g[0].weight.dtype == torch.float8_e4m3fn
+        assert packed_view([lin.weight for lin in g]) is not None
+        assert packed_view([lin.weight_scale for lin in g]) is not None
+    q_b = "model.layers.3.self_attn.q_b_proj.weight_scale"
+    with pytest.raises(ValueError, match=f"checkpoint tensor {q_b}: shape \\(1, 2\\), expected \\(2, 1\\)"):
+        model.load_weights({**tensors, f"{q_b}_inv": torch.ones(1, 2)}.items())
 
 
 def test_zero_match_warns_in_the_engine(tmp_path):

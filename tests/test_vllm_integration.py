@@ -23,6 +23,7 @@ import dep_compile  # noqa: E402
 import dep_compile_vllm  # noqa: E402
 from dep_compile.debug.parity import decisive_routing  # noqa: E402
 from dep_compile.integrations.vllm import KimiDepInductorPass, compilation_config, pack_model_weights  # noqa: E402
+from dep_compile.ops.packing import packed_view  # noqa: E402
 from dep_compile.stock import build_model, preset  # noqa: E402
 
 from helpers import CUBLAS_ONLY, assert_agrees, compare_steps, kinds_rewritten  # noqa: E402
@@ -113,6 +114,25 @@ def test_post_grad_pass_manager_runs_it_on_the_stock_decoder():
     # exactly these rows, every one rewritten: KDA 0-2, DSA 3, MoE 1-3 (no stock row, no other kind)
     assert kinds_rewritten(report) == {"kda": [True] * 3, "dsa": [True], "moe": [True] * 3}, report.table()
     assert_agrees(res, "vLLM post-grad pass manager", inductor=True)
+
+
+def test_pack_model_weights_packs_fp8_codes_and_scales():
+    """FP8 block-scaled projections: each DSA a-projection group and MoE front packs its codes and, apart, its
+    block scales as zero-copy row views (what the kimi_dep ops read without concatenating), values unchanged."""
+    model = build_model(preset("k31-small", num_layers=4, dense_format="fp8_block"), seed=1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert pack_model_weights(model) == ["model.layers.1.mlp", "model.layers.2.mlp", "model.layers.3.self_attn",
+                                         "model.layers.3.mlp"]
+    a, idx = model.model.layers[3].self_attn, model.model.layers[3].self_attn.indexer
+    groups = [[a.fused_qkv_a_g_proj, idx.wk, idx.weights_proj]] + [
+        [layer.mlp.shared_experts.gate_up_proj, layer.mlp.routed_expert_down_proj] for layer in model.model.layers[1:]]
+    for g in groups:
+        assert g[0].weight.dtype == torch.float8_e4m3fn
+        assert packed_view([lin.weight for lin in g]) is not None
+        assert packed_view([lin.weight_scale for lin in g]) is not None
+    after = model.state_dict()
+    assert all(torch.equal(v.view(torch.uint8), after[k].view(torch.uint8)) if v.dtype == torch.float8_e4m3fn
+               else torch.equal(v, after[k]) for k, v in before.items())
 
 
 def test_step_groups_decode_unpadded_prefill_bounded():

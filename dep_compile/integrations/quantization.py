@@ -159,11 +159,6 @@ def weight_formats(qc: dict | None) -> tuple[str, str]:
     return experts, dense
 
 
-def experts_format(qc: dict | None) -> str:
-    """The ``K3Config.experts_format`` a ``quantization_config`` declares (``weight_formats``' first)."""
-    return weight_formats(qc)[0]
-
-
 def _compressed_tensors(compressor: str, scheme: str, what: str):
     """compressed-tensors' pieces for ``scheme``: (the ``compressor`` class, the preset scheme, calculate_qparams);
     MissingExtra naming ``what`` is being written when the package (or psutil) is missing."""
@@ -204,5 +199,5 @@ def compress_fp8_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 __all__ = ["K3_QUANTIZATION_CONFIG", "FP8_BLOCK_GROUP", "FORMAT", "FP8_FORMAT", "MIXED_FORMAT", "QUANT_METHOD",
-           "SCHEME", "MissingExtra", "weight_formats", "experts_format", "quantization_config", "compress_mxfp4",
+           "SCHEME", "MissingExtra", "weight_formats", "quantization_config", "compress_mxfp4",
            "compress_fp8_block"]

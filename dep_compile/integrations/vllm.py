@@ -145,7 +145,8 @@ def pack_model_weights(model: nn.Module) -> list[str]:
     DSA: ``[fused_qkv_a_g_proj | indexer.wk | indexer.weights_proj]`` (or ``[fused |
     indexer.wk_weights_proj]``); MoE: ``[shared_experts.gate_up_proj | routed_expert_down_proj]``.
     Each group's params become adjacent row views of one tensor (``pack_params``), which is what
-    the kimi_dep ops read as one matrix without copying. Returns the packed modules' names.
+    the kimi_dep ops read as one matrix without copying; FP8 block-scaled groups pack their codes and,
+    apart, their block scales (each part's block rows stay its own). Returns the packed modules' names.
     Do it before ``torch.compile`` (docs/design.md §5.4: never between tracing and compile_fx).
     """
     packed = []
@@ -154,17 +155,26 @@ def pack_model_weights(model: nn.Module) -> list[str]:
             groups = []
             if hasattr(m, "fused_qkv_a_g_proj") and hasattr(m, "indexer"):
                 idx = m.indexer
-                rest = [idx.wk_weights_proj.weight] if hasattr(idx, "wk_weights_proj") else [idx.wk.weight,
-                                                                                           idx.weights_proj.weight]
-                groups.append([m.fused_qkv_a_g_proj.weight, *rest])
+                rest = [idx.wk_weights_proj] if hasattr(idx, "wk_weights_proj") else [idx.wk, idx.weights_proj]
+                groups.append([m.fused_qkv_a_g_proj, *rest])
             if hasattr(m, "routed_expert_down_proj") and getattr(m, "shared_experts", None) is not None:
-                groups.append([m.shared_experts.gate_up_proj.weight, m.routed_expert_down_proj.weight])
-            for g in groups:  # FP8 block-scaled groups stay apart: each module applies its own block scales
-                if g[0].dtype != torch.float8_e4m3fn and all(
-                        p.dim() == 2 and p.shape[1] == g[0].shape[1] and p.dtype == g[0].dtype for p in g):
-                    pack_params(g)
-                    packed.append(name)
+                groups.append([m.shared_experts.gate_up_proj, m.routed_expert_down_proj])
+            for g in groups:
+                ws = [lin.weight for lin in g]
+                scales = [getattr(lin, "weight_scale", None) for lin in g]
+                if not (_rows_of_one_kind(ws) and (all(s is None for s in scales) or _rows_of_one_kind(scales))):
+                    continue  # parts in different formats: the passes leave such a layer stock
+                for params in (ws, scales):
+                    if params[0] is not None:
+                        pack_params(params)
+                packed.append(name)
     return packed
+
+
+def _rows_of_one_kind(ps: list) -> bool:
+    """Whether ``ps`` are matrices of one width and dtype (row groups ``pack_params`` can stack)."""
+    return all(p is not None and p.dim() == 2 and p.shape[1] == ps[0].shape[1] and p.dtype == ps[0].dtype
+               for p in ps)
 
 
 __all__ = ["KimiDepInductorPass", "compilation_config", "pack_model_weights", "step_kinds", "PASS_NAME"]

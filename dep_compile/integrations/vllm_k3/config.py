@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 
-from dep_compile.integrations.quantization import experts_format
+from dep_compile.integrations.quantization import weight_formats
 
 log = logging.getLogger("dep_compile.vllm_k3")
 
@@ -52,9 +52,10 @@ class DepKimiK3EngineConfig:
     - Prefix caching is off: a request's first block id names its KDA state slot.
     - ``num_gpu_blocks_override`` fixes the block pool, so the model can allocate its caches
       at construction (the CPU worker compiles before vLLM allocates its KV pool).
-    - A checkpoint's ``quantization_config`` (K3's MXFP4 experts) is checked, then hidden from vLLM's
-      quantization: the model reads it from ``text_config`` and builds its own MXFP4 experts, so vLLM
-      must not make a quant method (compressed-tensors) that the model's plain modules would ignore.
+    - A checkpoint's ``quantization_config`` (K3's MXFP4 experts, FP8 block-scaled dense projections) is
+      checked, then hidden from vLLM's quantization: the model reads it from ``text_config`` and builds its
+      own MXFP4 experts and FP8 linears, so vLLM must not make a quant method (compressed-tensors) that the
+      model's own modules would ignore.
     - The parallel layout is checked (``ep_size``) before any worker starts.
     """
 
@@ -74,10 +75,11 @@ class DepKimiK3EngineConfig:
         if arch.quantization_config is None:
             return
         if model_config.quantization is not None:
-            raise ValueError(f"the dep_compile K3 model reads the checkpoint's MXFP4 experts itself: leave vLLM's "
+            raise ValueError(f"the dep_compile K3 model reads the checkpoint's quantized weights itself: leave vLLM's "
                              f"quantization unset (got {model_config.quantization!r})")
-        fmt = experts_format(arch.quantization_config)  # ValueError for anything but K3's MXFP4
-        log.info("dep_compile K3: %s routed experts, read by the model itself (vLLM's quantization stays off)", fmt)
+        experts, dense = weight_formats(arch.quantization_config)  # ValueError for anything but MXFP4 / FP8 blocks
+        log.info("dep_compile K3: %s routed experts, %s dense projections, read by the model itself (vLLM's "
+                 "quantization stays off)", experts, dense)
         arch.quantization_config = None
 
 
