@@ -193,7 +193,6 @@ def measure(name: str, segments: list[int], k: int, rows: int, configs, args) ->
             best = (tactic, t, err)
     if best is not None:
         res["best"], res["best_us"], res["best_err"] = str(best[0]), best[1], best[2]
-        res["best_literal"] = repr(best[0])
     return res
 
 

@@ -336,6 +336,12 @@ def dense_scales(ctx: PassContext, lins: Sequence[tuple[str, Any, bool]], anchor
     return [lin.scale for _, lin, _ in lins]
 
 
+def packed_segments(lins: Sequence[Any]) -> tuple[int, ...] | None:
+    """The row segments of the linears ``lins`` stacked in one ``DepProjection``: each FP8 one's segments in order;
+    None for BF16 ones (``dense_scales`` has checked that a layer's projections share one format)."""
+    return None if lins[0].segments is None else tuple(n for lin in lins for n in lin.segments)
+
+
 def tagged(op: str, *tags: str | None) -> str:
     """The report's name of a rewritten op: ``op``, with what it was compiled for in brackets
     (``kimi_dep.moe[ep2, fp8_block]``)."""

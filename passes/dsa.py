@@ -36,8 +36,8 @@ from dep_compile.ops.dsa import PreparedDsa
 from dep_compile.ops.projection import DepProjection
 from dep_compile.ops.sparse_mla import reserve_sparse_mla
 
-from .base import (Found, LayerPass, PassContext, check_bf16, check_only_user, check_q_len, dense_scales, probe_step,
-                   tagged)
+from .base import (Found, LayerPass, PassContext, check_bf16, check_only_user, check_q_len, dense_scales,
+                   packed_segments, probe_step, tagged)
 from .calls import call, constant, is_call, op_args, op_name, producer, require, shapes_of, single_user, val
 from .trees import factors, match_layer_norm, match_rms_norm
 from .validate import ProbeInputs, ProbeRandom
@@ -128,7 +128,7 @@ class DsaMatch:
     mla_op: object  # the sparse MLA overload matched: SPARSE_MLA or SPARSE_MLA_FP8 (.default)
     cache_shapes: dict  # cache name -> the shape the ops see (post-grad: a view of a pooled base)
     scales: list  # FP8 block-scaled projections: their scales [*pack, q_b, wq_b, o_proj]; empty for BF16
-    segments: tuple | None  # FP8: the packed projection's row segments, then o_proj's (None: BF16)
+    segments: tuple  # the packed projection's row segments, then o_proj's (FP8; each None for BF16)
 
     def caches(self) -> dict:
         """The caches the layer writes, by role."""
@@ -253,7 +253,7 @@ def find_dsa(ctx: PassContext, S: Node) -> DsaMatch:
     check_bf16("DSA activations", x, a["q"], a["latent"], ia["q_idx"], ia["weights"], ia["k"])
     if not scales:
         check_bf16("DSA weights", q_b.w, wq_b.w, o_lin.w, *pack)
-    segments = (tuple(n for lin in pack_lins for n in lin.segments), o_lin.segments) if scales else None
+    segments = (packed_segments(pack_lins), packed_segments([o_lin]))
     latent = ("kv_cache", "kv_scale") if mla_op is SPARSE_MLA_FP8.default else ("kv_cache",)
     shapes = {**shapes_of(S, mla_op, latent), **shapes_of(I, INDEXER.default, ("index_cache", "index_scale"))}
     latent_cache = check_latent_cache(mla_op, a, shapes)
@@ -299,14 +299,13 @@ class DsaPass(LayerPass):
         m = find_dsa(ctx, found.anchor)
         a, ia, opts = m.mla, m.indexer, ctx.options
         proj, oproj = opts.tables_for(val(a["kv_cache"]).device, fp8=bool(m.scales))
-        segs = m.segments or (None, None)
         prepared = PreparedDsa(
             heads=m.heads, nope=int(a["nope"]), rope=m.rope, q_lora=m.q_lora, kv_lora=m.kv_lora,
             gate_width=m.gate_width, index_heads=m.index_heads, index_dim=m.index_dim, topk=int(ia["topk"]),
             scale=constant(a["scale"], "the sparse MLA softmax scale", found.anchor), q_a_eps=m.eps[0],
             kv_a_eps=m.eps[1], k_norm_eps=m.eps[2],
-            projection=DepProjection("dsa_qkv_a_g_index", proj["dsa_qkv_a_g_index"], segs[0]),
-            o_proj=DepProjection("o_proj", oproj, segs[1]), sparse_mla=opts.sparse_mla,
+            projection=DepProjection("dsa_qkv_a_g_index", proj["dsa_qkv_a_g_index"], m.segments[0]),
+            o_proj=DepProjection("o_proj", oproj, m.segments[1]), sparse_mla=opts.sparse_mla,
             latent_cache=m.latent_cache,
         )
         fp8 = m.latent_cache == "float8_e4m3fn"

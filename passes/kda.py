@@ -28,8 +28,8 @@ import torch
 from dep_compile.ops.kda import PreparedKda
 from dep_compile.ops.projection import DepProjection
 
-from .base import (Found, LayerPass, PassContext, check_bf16, check_only_user, check_q_len, dense_scales, probe_step,
-                   tagged)
+from .base import (Found, LayerPass, PassContext, check_bf16, check_only_user, check_q_len, dense_scales,
+                   packed_segments, probe_step, tagged)
 from .calls import constant, op_args, require, shapes_of, single_user, val
 from .validate import ProbeInputs, ProbeRandom
 from .walkers import linear, part_of, skip_identity
@@ -62,7 +62,7 @@ class KdaMatch:
     claimed: set
     state_shapes: dict  # conv_state / recurrent_state -> the shape the core sees (post-grad: a view of a pool)
     scales: list  # FP8 block-scaled projections: their scales [in_proj, f_b_proj, o_proj]; empty for BF16
-    segments: tuple  # FP8: (in_proj's row segments, o_proj's); (None, None) for BF16
+    segments: tuple  # in_proj's row segments, then o_proj's (FP8; each None for BF16)
 
     def probe_inputs(self, rng: ProbeRandom) -> ProbeInputs:
         """A random step for the probe: the layer input, B + 2 state slots of random states (BF16 conv,
@@ -123,7 +123,7 @@ def find_kda(ctx: PassContext, core: Node) -> KdaMatch:
     require(val(x).dim() == 2, "in_proj input is not [T, hidden]", x)
     return KdaMatch(x, in_w, f_lin.w, o_lin.w, o_user, a, H, HD // H, F_rank, claimed,
                     shapes_of(core, KDA_CORE.default, tuple(s.value for s in KdaState)), scales,
-                    (in_lin.segments, o_lin.segments) if scales else (None, None))
+                    (packed_segments([in_lin]), packed_segments([o_lin])))
 
 
 class KdaPass(LayerPass):

@@ -28,7 +28,7 @@ from dep_compile.ops.projection import DepProjection
 from dep_compile.ops.shapes import size_hint
 from dep_compile.stock.mxfp4 import GROUP, group_size, random_mxfp4
 
-from .base import Found, LayerPass, PassContext, check_bf16, dense_scales, tagged
+from .base import Found, LayerPass, PassContext, check_bf16, dense_scales, packed_segments, tagged
 from .calls import NoMatch, bind, call, constant, dtype_of, is_call, last_dim, op_args, op_name, require, scalar, val
 from .trees import factors, match_rms_norm
 from .validate import ProbeInputs, ProbeRandom
@@ -277,7 +277,7 @@ def dep_moe_supported(ctx: PassContext, R: Node) -> MoeMatch:
         ctx.param(w, what)
     return MoeMatch(x, down.w, gate_w, bias, norm_w, up.w, gu.w, sd.w, add, a, top_k, scale, norm_eps,
                     shared_inter, latent, ep_size, claimed, experts, mxfp4, scales,
-                    gu.segments + down.segments if scales else None)
+                    packed_segments([gu, down]))
 
 
 class MoePass(LayerPass):

@@ -4,12 +4,11 @@ FP8 block-scaled ones (``stock/fp8_block.py``: e4m3 codes with one FP32 scale pe
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 
 from .. import tactics
-from ..stock.fp8_block import scale_rows
+from ..stock.fp8_block import scale_row_index
 from ..tactics import CUBLAS, SplitK
 from .registry import prepared
 
@@ -25,12 +24,6 @@ def splitk_reference(x: torch.Tensor, w: torch.Tensor, split_k: int) -> torch.Te
     for k0 in range(0, K, step):
         acc += x[:, k0 : k0 + step].float() @ w[:, k0 : k0 + step].float().t()
     return acc.to(x.dtype)
-
-
-@functools.lru_cache(maxsize=None)
-def _scale_rows(segments: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """Each packed weight row's scale row (int32 [N]), made once per layout and device, before any graph capture."""
-    return scale_rows(list(segments), device).to(torch.int32)
 
 
 _WORKSPACES: dict[tuple, list[torch.Tensor]] = {}  # (device, N, tactic) -> every workspace made, newest last
@@ -78,14 +71,14 @@ class DepProjection:
                 from .splitk_triton import splitk_linear
 
                 out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
-                return splitk_linear(x.contiguous(), w, out, tactic)
+                return splitk_linear(x.contiguous(), w, out, tactic, self.workspace(x, w, tactic))
             return splitk_reference(x, w, tactic.split_k)
         assert tactic == CUBLAS
         return torch.mm(x, w.t())
 
     def fp8(self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """The FP8 path: the FP8 split-K kernel on CUDA where the table says split-K, else stock's op (its CPU
-        reference computes what stock computes to the bit; cuBLAS takes no block scales on this torch)."""
+        """The FP8 path: the FP8 split-K kernel on CUDA where the table says split-K, else stock's op (on CPU its
+        reference, what stock computes to the bit; on CUDA cuBLAS's blockwise FP8 GEMM, the fallback tactic)."""
         if scale is None:
             raise ValueError(f"{self.name}: an FP8 block-scaled projection needs its weight scales")
         tactic = self.tactic(x.shape[0])
@@ -93,9 +86,14 @@ class DepProjection:
             from .splitk_fp8_triton import fp8_splitk_linear  # noqa: PLC0415 - imports Triton
 
             out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
-            ws = _workspace(x.shape[0], w.shape[0], tactic, x.device) if tactic.split_k > 1 else None
-            return fp8_splitk_linear(x.contiguous(), w, scale, _scale_rows(self.segments, x.device), out, tactic, ws)
+            rows = scale_row_index(self.segments, x.device)
+            return fp8_splitk_linear(x.contiguous(), w, scale, rows, out, tactic, self.workspace(x, w, tactic))
         return torch.ops.kimi_k3.fp8_block_linear(x, w, scale, list(self.segments))
+
+    @staticmethod
+    def workspace(x: torch.Tensor, w: torch.Tensor, tactic: SplitK) -> torch.Tensor | None:
+        """The shared split-K workspace of a call (``_workspace``), None when the tactic does not split K."""
+        return _workspace(x.shape[0], w.shape[0], tactic, x.device) if tactic.split_k > 1 else None
 
     def policies(self, batches) -> dict[int, str]:
         return {b: str(t) for b, t in tactics.dep_policies(self.table, batches).items()}

@@ -26,14 +26,14 @@ import torch
 import triton
 import triton.language as tl
 
+from dep_compile.stock.fp8_block import BLOCK
 from dep_compile.stock.fp8_block_cuda import quantize_activations
 from dep_compile.tactics import SplitK
 
-from .splitk_triton import splitk_block_m, splitk_buffers, splitk_grid, splitk_store
+from .splitk_triton import splitk_block_m, splitk_buffers, splitk_grid, splitk_k_per_split, splitk_store
 
-__all__ = ["fp8_splitk_linear", "fp8_splitk_check"]
+__all__ = ["fp8_splitk_linear"]
 
-GROUP = 128  # activation group = weight block edge = block_k
 _SMEM_BYTES = 225 * 1024
 
 
@@ -102,16 +102,16 @@ def _fp8_splitk_kernel(
                  BLOCK_M, BLOCK_N, SPLIT_K, False)
 
 
-def fp8_splitk_check(x, w, scale, scale_row, out, tactic: SplitK) -> None:
+def _check(x, w, scale, scale_row, out, tactic: SplitK) -> None:
     """A ValueError unless the operands are as the module doc says."""
-    if tactic.block_k != GROUP:
-        raise ValueError(f"fp8_splitk_linear: block_k must be {GROUP} (one scale block a step), got {tactic.block_k}")
+    if tactic.block_k != BLOCK:
+        raise ValueError(f"fp8_splitk_linear: block_k must be {BLOCK} (one scale block a step), got {tactic.block_k}")
     m, k = x.shape
     n = w.shape[0]
     if w.dtype != torch.float8_e4m3fn or scale.dtype != torch.float32 or x.dtype != torch.bfloat16:
         raise ValueError(f"fp8_splitk_linear: x bf16, w float8_e4m3fn, scale float32 expected, got {x.dtype}, "
                          f"{w.dtype}, {scale.dtype}")
-    if w.shape[1] != k or tuple(out.shape) != (m, n) or scale.shape[1] != -(-k // GROUP) or scale_row.shape != (n,):
+    if w.shape[1] != k or tuple(out.shape) != (m, n) or scale.shape[1] != -(-k // BLOCK) or scale_row.shape != (n,):
         raise ValueError(f"fp8_splitk_linear: shapes x{tuple(x.shape)} w{tuple(w.shape)} scale{tuple(scale.shape)} "
                          f"scale_row{tuple(scale_row.shape)} out{tuple(out.shape)} do not match")
     if x.stride(1) != 1 or w.stride(1) != 1 or out.stride(1) != 1 or scale.stride(1) != 1:
@@ -121,19 +121,17 @@ def fp8_splitk_check(x, w, scale, scale_row, out, tactic: SplitK) -> None:
 def fp8_splitk_linear(x, w, scale, scale_row, out, tactic: SplitK, workspace=None):
     """``out = x @ dequant(w)^T`` as the module doc computes it; returns ``out`` (``workspace``: as
     ``splitk_linear``'s, for ``tactic.split_k > 1``; without one a zeroed buffer is made per call)."""
-    fp8_splitk_check(x, w, scale, scale_row, out, tactic)
+    _check(x, w, scale, scale_row, out, tactic)
     m, k = x.shape
     n = w.shape[0]
-    split_k = tactic.split_k
-    k_per_split = triton.cdiv(triton.cdiv(k, GROUP), split_k) * GROUP
     parts, counters = splitk_buffers(workspace, m, n, tactic, out, "fp8_splitk_linear")
     xq, xs = quantize_activations(x)
     bm = splitk_block_m(m)
-    per_stage = (tactic.block_n + bm) * GROUP  # bytes: the FP8 weight and activation tiles
+    per_stage = (tactic.block_n + bm) * BLOCK  # bytes: the FP8 weight and activation tiles
     stages = max(1, min(tactic.num_stages, _SMEM_BYTES // per_stage))
     _fp8_splitk_kernel[splitk_grid(m, n, tactic)](
         xq, xs, w, scale, scale_row, out, parts, counters, m, n, k, xs.shape[1], w.stride(0), scale.stride(0),
-        out.stride(0), k_per_split, BLOCK_M=bm, BLOCK_N=tactic.block_n, SPLIT_K=split_k,
-        EVEN_K=(k % GROUP == 0), num_warps=tactic.num_warps, num_stages=stages,
+        out.stride(0), splitk_k_per_split(k, tactic), BLOCK_M=bm, BLOCK_N=tactic.block_n, SPLIT_K=tactic.split_k,
+        EVEN_K=(k % BLOCK == 0), num_warps=tactic.num_warps, num_stages=stages,
     )
     return out

@@ -82,6 +82,7 @@ __all__ = [
     "splitk_workspace_numel",
     "splitk_block_m",
     "splitk_grid",
+    "splitk_k_per_split",
     "splitk_num_stages",
     "fp32_linear_oracle",
 ]
@@ -108,7 +109,8 @@ def splitk_num_stages(m: int, tactic: SplitK) -> int:
     return max(1, min(tactic.num_stages, _SMEM_BYTES // per_stage))
 
 
-def _k_per_split(k: int, tactic: SplitK) -> int:
+def splitk_k_per_split(k: int, tactic: SplitK) -> int:
+    """Columns of K each slice takes: a multiple of ``block_k``."""
     chunks = triton.cdiv(k, tactic.block_k)
     return triton.cdiv(chunks, tactic.split_k) * tactic.block_k
 
@@ -319,7 +321,7 @@ def splitk_linear(
     m, n, k = _check(x, w, out)
     bm = splitk_block_m(m)
     split_k = tactic.split_k
-    k_per_split = _k_per_split(k, tactic)
+    k_per_split = splitk_k_per_split(k, tactic)
     grid = splitk_grid(m, n, tactic)
     parts, counters = splitk_buffers(workspace, m, n, tactic, out, "splitk_linear")
     if pdl and (w.stride(0) % 8 != 0 or w.data_ptr() % 16 != 0):
@@ -365,7 +367,7 @@ def splitk_partials(x: torch.Tensor, w: torch.Tensor, tactic: SplitK) -> torch.T
     parts = torch.empty(tactic.split_k, x.shape[0], w.shape[0], dtype=torch.float32, device=x.device)
     m, n, k = _check(x, w, parts[0], "splitk_partials")
     _splitk_kernel[splitk_grid(m, n, tactic)](
-        x, w, None, parts, parts, parts, m, n, k, x.stride(0), w.stride(0), n, _k_per_split(k, tactic),
+        x, w, None, parts, parts, parts, m, n, k, x.stride(0), w.stride(0), n, splitk_k_per_split(k, tactic),
         BLOCK_M=splitk_block_m(m), BLOCK_N=tactic.block_n, BLOCK_K=tactic.block_k, SPLIT_K=tactic.split_k,
         EVEN_K=(k % tactic.block_k == 0), USE_TMA=False, USE_PDL=False, PREFETCH_K=0, PARTIALS_ONLY=True,
         INTERPRET=_INTERPRET, num_warps=tactic.num_warps, num_stages=splitk_num_stages(m, tactic),

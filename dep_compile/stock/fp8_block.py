@@ -20,6 +20,8 @@ An input width that is not a multiple of 128 (only the small presets' ``q_lora``
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -47,6 +49,13 @@ def scale_rows(segments: list[int], device=None) -> Tensor:
         rows.append(first + torch.arange(n, device=device) // BLOCK)
         first += blocks(n)
     return torch.cat(rows)
+
+
+@functools.lru_cache(maxsize=None)
+def scale_row_index(segments: tuple[int, ...], device: torch.device) -> Tensor:
+    """``scale_rows`` as int32 on ``device``, made once per layout and device (before any graph capture), for
+    the CUDA kernels that read a packed weight's block scales row by row."""
+    return scale_rows(list(segments), device).to(torch.int32)
 
 
 def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor]:

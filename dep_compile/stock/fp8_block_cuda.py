@@ -31,7 +31,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .fp8_block import BLOCK, FP8, scale_rows
+from .fp8_block import BLOCK, FP8, scale_row_index
 
 _QUANT_GROUPS = 8  # activation groups one quantize program takes
 _TILE_M, _TILE_N, _WARPS, _STAGES = 64, 128, 4, 2  # vLLM's default block-FP8 tiles (no tuned config)
@@ -108,12 +108,6 @@ def _block_fp8_kernel(
     tl.store(out, acc.to(tl.bfloat16), mask=mmask[:, None] & nmask[None, :])
 
 
-@functools.lru_cache(maxsize=None)
-def _rows(segments: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """Each weight row's scale row, int32 on ``device`` (made once per segment layout, outside any graph)."""
-    return scale_rows(list(segments), device).to(torch.int32)
-
-
 def segment_runs(segments: list[int]) -> list[tuple[int, int, int, int]]:
     """(first row, end row, first scale row, end scale row) of each run of segments one blockwise GEMM can take:
     a run ends after a segment that is not a multiple of 128 rows (its last block is partial)."""
@@ -166,7 +160,7 @@ def block_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     xq, xs = quantize_activations(x)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     grid = (triton.cdiv(n, _TILE_N), triton.cdiv(m, _TILE_M))
-    _block_fp8_kernel[grid](xq, xs, weight, weight_scale, _rows(tuple(segments), x.device), out, m, n, k,
+    _block_fp8_kernel[grid](xq, xs, weight, weight_scale, scale_row_index(tuple(segments), x.device), out, m, n, k,
                             xs.shape[1], weight.stride(0), weight_scale.stride(0), TILE_M=_TILE_M, TILE_N=_TILE_N,
                             num_warps=_WARPS, num_stages=_STAGES)
     return out
