@@ -1,7 +1,12 @@
 """The whole decode step of a full-width K3.1 slice: stock under plain Inductor vs kimi_dep.
 
     python benchmarks/bench_decoder.py [--rows 1 64] [--context 4096] [--q 1] [--layers 4]
-        [--experts 64 | --local-experts 56] [--modes hand ro] [--profile] [--out DIR]
+        [--experts 64 | --local-experts 56] [--modes hand ro] [--sides stock kimi_dep] [--no-parity]
+        [--profile] [--out DIR]
+
+A full-depth DEP32 rank of K3.1 (all 93 layers, 28 local experts a MoE layer, MXFP4 experts, FP8 dense):
+``--layers 93 --local-experts 28 --dense fp8_block --sides kimi_dep --no-parity``; the built model's bytes are
+printed beside ``dep_compile.memory``'s table for that DEP size.
 
 The model: ``preset("k31", num_layers=--layers)`` with ``--experts`` routed experts (default the
 slice of issue 17: [KDA + dense MLP, KDA, KDA, DSA], 3 MoE layers of 64 experts top-16, lm_head),
@@ -121,6 +126,24 @@ def build_model(cfg, device, seed: int = 0, local_experts: int | None = None) ->
     return model.eval().requires_grad_(False)
 
 
+def memory_check(model: KimiK3ForCausalLM, args, device) -> dict:
+    """The built model's bytes (parameters, and on CUDA what the allocator holds) beside ``dep_compile.memory``'s
+    table for the same config: an EP rank's (``--local-experts``: DEP = routed experts / local) or the whole model's."""
+    from dep_compile.memory import GB, rank_memory
+
+    cfg = model.config
+    dep = cfg.n_routed_experts // args.local_experts if args.local_experts else 1
+    table = rank_memory(cfg, dep, max(args.context), cfg.dense_format)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    out = dict(dep=dep, param_bytes=params, table_weight_bytes=table.weights,
+               table_cache_bytes_per_request=table.cache_per_request,
+               allocated_bytes=torch.cuda.memory_allocated(device) if device.type == "cuda" else None)
+    print(f"memory: parameters {params / GB:.2f} GB, memory table (DEP{dep}) {table.weights / GB:.2f} GB"
+          + (f", CUDA allocated {out['allocated_bytes'] / GB:.2f} GB" if out["allocated_bytes"] is not None else "")
+          + f"; caches per request at {max(args.context)} tokens {table.cache_per_request / GB:.3f} GB", flush=True)
+    return out
+
+
 def floor_bytes(model: KimiK3ForCausalLM, rows: int, q: int, context: int, routing: list[torch.Tensor]) -> dict:
     """The bytes a step must move, by term: every weight read once (the embedding: only the rows
     it gathers), routed experts only where touched, KDA states, DSA keys and selected latents."""
@@ -232,32 +255,37 @@ def measure_point(model, args, rows: int, q: int, context: int, device) -> dict:
     cfg = model.config
     pt = Point(cfg, rows, q, context, args.block_size, device, seed=rows + 7 * q)
     opts = {"inductor": False, **_cublas_only()} if device.type == "cpu" else None
-    out: dict = dict(rows=rows, q=q, context=context)
+    out: dict = dict(rows=rows, q=q, context=context,  # the caches as allocated (blocks rounded up), for the memory table
+                     cache_bytes=sum(t.numel() * t.element_size() for lc in pt.cache.layers for t in lc.tensors().values()))
     t0 = time.perf_counter()
 
     def say(what: str) -> None:
         print(f"  [{time.perf_counter() - t0:6.1f} s] rows={rows} q={q} ctx={context}: {what}", flush=True)
 
     with torch.no_grad():
-        start = pt.cache.clone()
+        start = None if args.no_parity else pt.cache.clone()
         with record_routing() as ref_ids:
-            ref = pt.run(model, start.clone())
+            ref = pt.run(model, None if args.no_parity else start.clone())
         floor = floor_bytes(model, rows, q, context, ref_ids)
         fl = floors_us(floor["total"])
         out.update(floor_bytes=floor, floor_433_us=fl["practical"], floor_48_us=fl["spec"])
         say(f"eager done; floor {fl['practical']:.0f} µs")
-        for side in SIDES:
+        for side in args.sides:
             if device.type == "cpu" and side == "stock":
                 fn = model  # the smoke run: no Inductor (minutes on 2 cores)
             else:
                 fn = compile_side(model, side, ro=False, options=opts)
-            pt.run(fn, start.clone())  # compiles (kimi_dep's translation validation calls the MoE op too)
-            with record_routing() as ids:
-                logits = pt.run(fn, start.clone())
-            out[f"{side}_rel_err"] = rel_err(logits, ref)
-            out[f"{side}_routing"] = routing_agreement(ids, ref_ids)
-            out[f"{side}_routing_by_layer"] = [routing_agreement([a], [b]) for a, b in zip(ids, ref_ids)]
-            say(f"{side} compiled; rel err {out[f'{side}_rel_err']:.2e}, routing {out[f'{side}_routing']:.4f}")
+            if args.no_parity:
+                pt.run(fn)  # compiles, on the point's own caches (timing runs there too)
+                say(f"{side} compiled")
+            else:
+                pt.run(fn, start.clone())  # compiles (kimi_dep's translation validation calls the MoE op too)
+                with record_routing() as ids:
+                    logits = pt.run(fn, start.clone())
+                out[f"{side}_rel_err"] = rel_err(logits, ref)
+                out[f"{side}_routing"] = routing_agreement(ids, ref_ids)
+                out[f"{side}_routing_by_layer"] = [routing_agreement([a], [b]) for a, b in zip(ids, ref_ids)]
+                say(f"{side} compiled; rel err {out[f'{side}_rel_err']:.2e}, routing {out[f'{side}_routing']:.4f}")
             if side == "kimi_dep":
                 out["rewritten"] = [m.op for m in dep_compile.last_report().layers if m.rewritten]
             if device.type == "cpu":
@@ -265,6 +293,7 @@ def measure_point(model, args, rows: int, q: int, context: int, device) -> dict:
                 continue
             if "hand" in args.modes:
                 out[f"{side}_hand_us"] = time_graph(lambda i: pt.run(fn), args.steps)["median_us"]
+                out[f"{side}_tokens_per_s"] = rows * q * 1e6 / out[f"{side}_hand_us"]  # tokens the step decodes
                 if args.profile and (rows, q, context) == tuple(args.profile_point):
                     out[f"{side}_kernels"] = kernel_groups(lambda: pt.run(fn))
                 say(f"{side} hand {out[f'{side}_hand_us']:.0f} µs")
@@ -283,7 +312,9 @@ def measure_point(model, args, rows: int, q: int, context: int, device) -> dict:
         s, d = out.get(f"stock_{way}_us"), out.get(f"kimi_dep_{way}_us")
         if s and d:
             out[f"ratio_{way}"] = s / d
+        if d:
             out[f"dep_{way}_over_floor"] = d / out["floor_433_us"]
+        if s:
             out[f"stock_{way}_over_floor"] = s / out["floor_433_us"]
     return out
 
@@ -298,11 +329,12 @@ def table(points: list[dict]) -> str:
     """The results as a Markdown table."""
     f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
     headers = ["rows", "q", "ctx", "stock hand", "dep hand", "ratio", "stock ro", "dep ro", "ratio ro",
-               "floor@4.33", "floor@4.8", "dep/floor", "err stock", "err dep", "route stock", "route dep"]
+               "floor@4.33", "floor@4.8", "dep/floor", "dep tok/s", "err stock", "err dep", "route stock", "route dep"]
     body = [[p["rows"], p["q"], p["context"], f(p.get("stock_hand_us"), ".0f"), f(p.get("kimi_dep_hand_us"), ".0f"),
              f(p.get("ratio_hand"), ".3f"), f(p.get("stock_ro_us"), ".0f"), f(p.get("kimi_dep_ro_us"), ".0f"),
              f(p.get("ratio_ro"), ".3f"), f(p.get("floor_433_us"), ".0f"), f(p.get("floor_48_us"), ".0f"),
-             f(p.get("dep_hand_over_floor"), ".2f"), f(p.get("stock_rel_err"), ".1e"),
+             f(p.get("dep_hand_over_floor"), ".2f"),
+             f(p.get("kimi_dep_tokens_per_s"), ".0f"), f(p.get("stock_rel_err"), ".1e"),
              f(p.get("kimi_dep_rel_err"), ".1e"),
              f(p.get("stock_routing"), ".4f"), f(p.get("kimi_dep_routing"), ".4f")]
             for p in points if "error" not in p]
@@ -338,6 +370,12 @@ def parse_args(argv=None):
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--modes", nargs="+", default=["hand", "ro"], choices=["hand", "ro"])
     ap.add_argument("--steps", type=int, default=2, help="steps per hand-captured graph replay")
+    ap.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES,
+                    help="which compiled sides to time (kimi_dep alone for a full-depth rank: stock's compile of 93 "
+                         "layers takes most of a GPU call)")
+    ap.add_argument("--no-parity", action="store_true",
+                    help="no compiled-vs-eager check: it holds two more copies of the caches, which a full-depth rank "
+                         "at tens of requests has no room for; eager runs once, on the point's caches, for the floor")
     ap.add_argument("--profile", action="store_true", help="per-kernel breakdown at --profile-point")
     ap.add_argument("--profile-point", type=int, nargs=3, default=[64, 1, 4096], metavar=("ROWS", "Q", "CTX"))
     ap.add_argument("--device", default="cuda")
@@ -359,8 +397,9 @@ def main(argv=None) -> list[dict]:
     print(f"model: {cfg.name}, {args.layers} layers {[l.kind for l in model.model.layers]}, {experts} "
           f"{cfg.experts_format} experts{local}, {cfg.dense_format} dense; "
           f"built in {time.perf_counter() - t0:.1f} s", flush=True)
+    memory = memory_check(model, args, device)
     points: list[dict] = []
-    meta = dict(preset=cfg.name, layers=args.layers, experts=experts, experts_format=cfg.experts_format,
+    meta = dict(memory=memory, preset=cfg.name, layers=args.layers, experts=experts, experts_format=cfg.experts_format,
                 dense_format=cfg.dense_format,
                 local_experts=args.local_experts,
                 command="python benchmarks/bench_decoder.py " + " ".join(sys.argv[1:] if argv is None else argv))

@@ -62,3 +62,18 @@ def test_routing_hook_and_agreement():
     assert bd.routing_agreement([flipped], ids) == 47 / 48
     # the pick order within a token does not matter
     assert bd.routing_agreement([ids[0].flip(-1)], ids) == 1.0
+
+
+def test_rank_run_matches_the_memory_table(tmp_path):
+    """An EP rank's shape, kimi_dep alone, no parity copies (the full-depth rank's options): the built model's
+    parameters and each point's caches are the bytes ``dep_compile.memory`` computes for that DEP size."""
+    points = bd.main(["--device", "cpu", "--preset", "k31-small", "--layers", "4", "--local-experts", "16",
+                      "--sides", "kimi_dep", "--no-parity", "--rows", "3", "--context", "24", "--block-size", "4",
+                      "--out", str(tmp_path)])
+    assert [p.get("error") for p in points] == [None], points
+    data = json.loads((tmp_path / "decoder.json").read_text())
+    mem = data["memory"]
+    assert mem["dep"] == 896 // 16 and mem["param_bytes"] == mem["table_weight_bytes"], mem
+    p = data["points"][0]
+    assert p["cache_bytes"] == 3 * mem["table_cache_bytes_per_request"], (p["cache_bytes"], mem)
+    assert "stock_hand_us" not in p and "kimi_dep_rel_err" not in p and p["kimi_dep_hand_us"] > 0
