@@ -13,7 +13,9 @@ What a user of FP8 block checkpoints runs on Hopper without our kernels:
    weight is one call per run of segments whose block grids line up (``segment_runs``), the runs' outputs
    concatenated;
 3. where ``_scaled_mm`` has no blockwise scaling (checked once per device: ``has_blockwise_mm``), or the
-   shapes are not cuBLAS's (K not a multiple of 128, a run not a multiple of 16 rows: the small presets),
+   shapes are not cuBLAS's (K not a multiple of 128, a run not a multiple of 16 rows: the small presets; K = 128,
+   KDA's f_b: there cuBLAS's GEMM faulted on the H200, CUBLAS_STATUS_EXECUTION_FAILED, in a full-depth rank), or
+   cuBLAS refused a run of that shape and alignment (tried once, outside CUDA-graph captures: ``_TAKES``),
    ``block_fp8_gemm``: ``[64, 128]`` output tiles, K in steps of 128 (one activation group and one weight
    block), the FP8 products of a step summed by the tensor cores and scaled by both scales, each weight row
    reading its own segment's scale row, in the shape of vLLM's Triton ``w8a8_block_fp8_matmul`` with its
@@ -133,21 +135,42 @@ def has_blockwise_mm(device: torch.device) -> bool:
     return True
 
 
+# (device, rows, n, k, weight and scale addresses mod 16) -> whether cuBLAS's blockwise FP8 GEMM took a run of that
+# shape. On the H200 (torch 2.11, CUDA 13) it refused a small preset's run (rows 4, n 48, k 256, its scales 8 bytes
+# past a 16-byte boundary) with CUBLAS_STATUS_NOT_SUPPORTED, and takes K3's runs (n 576 .. 49152, k 7168, 12288).
+_TAKES: dict[tuple, bool] = {}
+
+
+def _run_key(xq: torch.Tensor, w: torch.Tensor, ws: torch.Tensor) -> tuple:
+    """The ``_TAKES`` key of one run: [rows, K] codes, its weight rows [n, K] and scale rows [n / 128, K / 128]."""
+    return xq.device, xq.shape[0], w.shape[0], xq.shape[1], w.data_ptr() % 16, ws.data_ptr() % 16
+
+
 def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                      segments: list[int]) -> torch.Tensor:
     """x [M, K] bf16 @ the FP8 block-scaled weight [N, K]^T -> [M, N] bf16 (the module doc's path)."""
     x = x.contiguous()
-    m = x.shape[0]
-    if x.is_cuda and torch.cuda.is_current_stream_capturing() and not has_blockwise_mm.cache_info().currsize:
-        return block_fp8_gemm(x, weight, weight_scale, segments)  # no probe inside a capture
-    runs = segment_runs(segments)
-    if x.shape[1] % BLOCK or any((r1 - r0) % 16 for r0, r1, _, _ in runs) or not has_blockwise_mm(x.device):
-        return block_fp8_gemm(x, weight, weight_scale, segments)
+    m, k = x.shape
     rows = -(-m // 4) * 4  # cuBLAS's blockwise FP8 GEMM takes a multiple of 4 rows
+    runs = [(weight[r0:r1], weight_scale[b0:b1]) for r0, r1, b0, b1 in segment_runs(segments)]
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()  # no probe inside a capture
+    if capturing and not has_blockwise_mm.cache_info().currsize:
+        return block_fp8_gemm(x, weight, weight_scale, segments)
+    if k % BLOCK or k == BLOCK or any(w.shape[0] % 16 for w, _ in runs) or not has_blockwise_mm(x.device):
+        return block_fp8_gemm(x, weight, weight_scale, segments)
     xq, xs = quantize_activations(x if rows == m else F.pad(x, (0, 0, 0, rows - m)))
+    known = [_TAKES.get(_run_key(xq, w, ws)) for w, ws in runs]
+    if False in known or (capturing and None in known):
+        return block_fp8_gemm(x, weight, weight_scale, segments)
     xs = xs.t().contiguous().t()  # [rows, K/128], column-major
-    outs = [torch._scaled_mm(xq, weight[r0:r1].t(), xs, weight_scale[b0:b1].t(), out_dtype=torch.bfloat16)
-            for r0, r1, b0, b1 in runs]
+    outs = []
+    for w, ws in runs:  # a run cuBLAS has not been seen to take is tried once, outside captures
+        try:
+            outs.append(torch._scaled_mm(xq, w.t(), xs, ws.t(), out_dtype=torch.bfloat16))
+        except RuntimeError:
+            _TAKES[_run_key(xq, w, ws)] = False
+            return block_fp8_gemm(x, weight, weight_scale, segments)
+        _TAKES[_run_key(xq, w, ws)] = True
     out = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
     return out if rows == m else out[:m]
 
