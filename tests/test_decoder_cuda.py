@@ -47,6 +47,12 @@ WIDTHS = {
     # full width, 4 layers (KDA + dense MLP, KDA, KDA, DSA), 3 MoE layers of 16 experts: ~13 GB of weights
     "full-slice": lambda: (preset("k31", num_layers=4, n_routed_experts=16),
                            lambda cfg: bd.build_model(cfg, torch.device("cuda"), seed=1)),
+    # the same two with every dense projection FP8 block-scaled (issue #28: kimi_dep's FP8 split-K against
+    # stock's cuBLAS block-FP8 GEMMs, both against the FP32 truth of the dequantized model)
+    "small-fp8": lambda: (preset("k31-small", num_layers=4, dense_format="fp8_block"),
+                          lambda cfg: build_model(cfg, seed=1, device="cuda")),
+    "full-slice-fp8": lambda: (preset("k31", num_layers=4, n_routed_experts=16, dense_format="fp8_block"),
+                               lambda cfg: bd.build_model(cfg, torch.device("cuda"), seed=1)),
 }
 
 
