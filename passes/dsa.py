@@ -138,13 +138,15 @@ class DsaMatch:
         return {role: n for role, n in nodes.items() if n is not None}
 
     def probe_inputs(self, rng: ProbeRandom) -> ProbeInputs:
-        """A random step for the probe: paged caches of a few blocks a request, two requests longer than
-        the indexer's top-k (so its selection matters), the others short, in shuffled blocks."""
+        """A random step for the probe: paged caches of a few blocks a request, in shuffled blocks; two
+        requests longer than the indexer's top-k, whose cached index keys make the selection decisive
+        (``decisive_index``), the others at most top-k long (they select every position)."""
         a, ia = self.mla, self.indexer
         values, B, q = probe_step(rng, self.x, a["q_len"])
         bs = rng.size(self.cache_shapes["kv_cache"][1])
-        long = int(ia["topk"]) + 2 * bs + q
-        lens = [long if b < 2 else q + int(torch.randint(0, 2 * bs, (1,), generator=rng.g)) for b in range(B)]
+        pairs = max(int(ia["topk"]) - q, 0)
+        short = min(2 * bs, pairs) + 1
+        lens = [2 * pairs + q if b < 2 else q + int(torch.randint(0, short, (1,), generator=rng.g)) for b in range(B)]
         need = [-(-n // bs) for n in lens]
         blocks = sum(need) + 1
         perm = torch.randperm(blocks, generator=rng.g)
@@ -161,20 +163,68 @@ class DsaMatch:
         for node, t in meta.items():
             values[node] = t.to(val(node).dtype).to(rng.device)
         caches = self.caches()
+        drawn = {}
         for role, node in caches.items():
             rest = tuple(rng.size(d) for d in self.cache_shapes[role.value][1:])
             t = torch.randn((blocks, *rest), generator=rng.g)
-            values[node] = _PROBE_CACHE[role](t, val(node).dtype).to(rng.device)
+            drawn[role] = _PROBE_CACHE[role](t, val(node).dtype)
+        decisive_index(drawn, table, lens, q, rng.g)
+        for role, node in caches.items():
+            values[node] = drawn[role].to(rng.device)
         return ProbeInputs(values, caches, B * q)
 
 
+# Why the probe's selection must be decisive (issue #29): its attention output is a near-cancelling mean of
+# top-k random latent rows (RMS ~ top-k^-1/2 of a row's), so one position flipped at a near-tie of random index
+# logits moves it by 2-3 % RMS. On the H200 the Triton core missed stock by 1.3 % RMS at 1 request x 4 tokens
+# for such flips, not for a wrong value: a BF16 ulp of the index query moves its FP8 codes by 2^-3, enough to
+# reorder random logits near the top-k boundary (on a CPU, one ulp of noise in 30 % of the index query and
+# weights flips 1-4 positions a token: 2.7-3.8 % RMS at full size). So each cached index key is a power-of-two
+# multiple of one random e4m3 vector u and its logit is exactly c_t * f (c_t one number a token, the same
+# rounding at every position): |f| on a ladder of ratio 2^(1/32) (never near-tied) from 2^20 (dwarfing the
+# logits of the step's own keys, O(1), which thus rank between the two signs) to at most 2^84 (logits far
+# below FP32's 2^127 with keys up to 256). Positions come in pairs with equal latent rows and opposite f, so
+# whatever c_t's sign (the query decides it) a token selects every pair once, every step position it sees,
+# and the pairs of smallest |f| once more: the same rows. A wrong key or scale read, a wrong top-k or a wrong
+# causal offset still changes the rows.
+LADDER_BASE = 2.0 ** 20
+LADDER_STEP = 2.0 ** (1 / 32)
+LADDER_ROWS = LADDER_BASE / 2 ** 6  # below every ladder row's index scale (f / a multiple <= 32), far above a key's
+
+
+def decisive_index(caches: dict, table: torch.Tensor, lens: list, q: int, g: torch.Generator) -> None:
+    """Write each request's cached index keys and scales (and pair its latent rows) so that no rounding of the
+    index query changes the rows a token attends to (``caches`` by role, on the CPU; ``table`` [B, MB];
+    ``lens`` the context lengths, this step's ``q`` tokens included)."""
+    keys, scales = caches[DsaCache.INDEX], caches[DsaCache.INDEX_SCALE]  # [NB, BS, Di] e4m3, [NB, BS] FP32
+    bs = keys.shape[1]
+    u = torch.randn(keys.shape[2], generator=g).mul(4).clamp(-8, 8).to(FP8).float()  # [Di], |u| <= 8
+    latent = [caches[r] for r in (DsaCache.KV, DsaCache.KV_SCALE) if r in caches]
+    for b, n in enumerate(lens):
+        p = torch.randperm(n - q, generator=g)  # the cached positions, shuffled
+        half = (n - q) // 2
+        plus, minus = p[: n - q - half], p[n - q - half:]  # minus[i] pairs with plus[i]
+        f = LADDER_BASE * LADDER_STEP ** torch.randperm(len(plus), generator=g).double()
+        f = torch.cat([f, -f[:half]]).float()  # [n - q]
+        mult = 2.0 ** torch.randint(0, 6, (n - q,), generator=g).float()  # keys up to 256 (e4m3: 448)
+        blk, off = table[b, torch.cat([plus, minus]) // bs], torch.cat([plus, minus]) % bs
+        keys[blk, off] = (mult[:, None] * u).to(FP8)
+        scales[blk, off] = f / mult
+        src, dst = torch.arange(half), len(plus) + torch.arange(half)  # plus[i] -> minus[i]
+        for t in latent:
+            t[blk[dst], off[dst]] = t[blk[src], off[src]]
+
+
 def dequantized(caches: dict) -> dict:
-    """The DSA caches to compare, by name: FP8 index keys and FP8 latent rows times their per-token scales
-    (codes alone are not comparable)."""
+    """The DSA caches to compare, by name: FP8 latent rows times their per-token scales; the index codes, and
+    the index keys (codes times scales) but for the probe's ladder rows (``decisive_index``), whose keys of
+    2^15 and more would hide the O(1) keys the step writes (codes alone are not values)."""
     out = {"kv_cache": caches[DsaCache.KV]}
     if DsaCache.KV_SCALE in caches:
         out["kv_cache"] = caches[DsaCache.KV].float() * caches[DsaCache.KV_SCALE].float().unsqueeze(-1)
-    out["index_keys"] = caches[DsaCache.INDEX].float() * caches[DsaCache.INDEX_SCALE].float().unsqueeze(-1)
+    scale = caches[DsaCache.INDEX_SCALE].float().unsqueeze(-1)  # [NB, BS, 1]
+    out["index_codes"] = caches[DsaCache.INDEX].float()
+    out["index_keys"] = (caches[DsaCache.INDEX].float() * scale).masked_fill(scale.abs() >= LADDER_ROWS, 0)
     return out
 
 
