@@ -61,6 +61,8 @@ MXFP4_TACTICS = [  # beside the default (DEFAULT_MXFP4_TACTIC: 256-input steps, 
     ExpertsTactic(block_k=512, num_stages=2, ptx_dequant=True),  # 0.80-1.02 TB/s
     # 8 warps ran 0.52-0.64 TB/s; an even/odd tiling (low / high nibble half tiles, each a dot with the even /
     # odd inputs; since removed) 0.2-0.6 TB/s
+    # the next step's codes and scales loaded to registers ahead of the dots (a register double buffer instead of
+    # Triton's pipeliner; removed): GEMM1 at 1 token 195-1572 µs against the default's 161 (ncu, 2026-12-02)
 ]
 
 
@@ -115,6 +117,19 @@ def run_point(setting, tokens, E, start, total, w13s, w2s, gen, tactics, profile
     return row
 
 
+def launch_once(setting, tokens, E, start, total, w13s, w2s, gen, tactics) -> None:
+    """Each tactic's kernels launched once at one point, nothing checked or timed (``--ncu``: the kernels for
+    Nsight Compute, outside CUDA graphs)."""
+    x = torch.randn(tokens, LAT, generator=gen).to(torch.bfloat16).cuda()
+    tw, ids = routing(tokens, total, gen)
+    for name, tac in tactics.items():
+        torch.cuda.nvtx.range_push(f"{setting} T={tokens} {name}")
+        routed_experts_triton(x, _local(w13s[0], E), _local(w2s[0], E), tw, ids, start, BETA, BETA_LIN, tactic=tac)
+        torch.cuda.nvtx.range_pop()
+    torch.cuda.synchronize()
+    print(f"{setting} T={tokens}: launched " + ", ".join(tactics), flush=True)
+
+
 def expert_weights(fmt: str, E: int, copies: int, seed: int = 0):
     """``copies`` sets of ``E`` experts' (w13, w2) on the GPU, in ``fmt`` (random, drawn there)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -134,6 +149,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--sweep", action="store_true", help="also time the tactics in SWEEP")
     ap.add_argument("--format", choices=["bf16", "mxfp4"], default="bf16", help="the experts' weights")
+    ap.add_argument("--ncu", action="store_true", help="launch each tactic once a point, time nothing (under ncu)")
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     default = DEFAULT_MXFP4_TACTIC if args.format == "mxfp4" else DEFAULT_TACTIC
@@ -143,9 +159,14 @@ def main() -> None:
     if args.sweep:
         tactics.update({str(t): t for t in SWEEP})
     E_SLICE, E_EP, EP_START, EP_TOTAL = 64, 56, 3 * 56, 896
-    copies = rotation_copies(E_EP * EXPERT_BYTES[args.format])
+    copies = 1 if args.ncu else rotation_copies(E_EP * EXPERT_BYTES[args.format])
     # one set of 64 experts per copy; the EP rank uses the first 56 of them
     w13s, w2s = expert_weights(args.format, E_SLICE, copies)
+    if args.ncu:
+        with torch.no_grad():
+            for T in args.tokens:
+                launch_once("slice", T, E_SLICE, 0, E_SLICE, w13s, w2s, gen, tactics)
+        return
     results = []
     with torch.no_grad():
         for T in args.tokens:
