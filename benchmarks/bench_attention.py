@@ -47,7 +47,10 @@ all layer weights +
   share them, so this over-counts verify steps at most q-fold on that term); this step's
   inserts (576 x 2 B latent + 128 B key + 4 B scale per token).
 
-Activations ([T, 7168] in and out) are left out: about 7 MB at 256 tokens.
+Activations ([T, 7168] in and out) are left out: about 7 MB at 256 tokens. The roofline floor
+(``roofline.layer_roofline``) takes, for the projections and for the core apart, the larger of the bytes
+at 4.33 TB/s and the FLOPs at the units' peak (the core's verify steps are compute-bound: 256 tokens each
+attending 2048 latent rows).
 
 Printed per point: kind, rows, q, context, stock µs, kimi_dep µs, stock / kimi_dep,
 kimi_dep / floor@4.33, both floors, output and cache errors. Writes ``attention_<kind>.json``
@@ -76,6 +79,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
     floors_us, format_table, kernel_profile, plot_panels, raise_recompile_limits, rel_err, steps_per_replay,
     time_graph, write_json)
+from roofline import layer_roofline  # noqa: E402
 
 import dep_compile  # noqa: E402
 from dep_compile.stock import KimiCache, LayerCache, RequestBatch, StepMeta, preset  # noqa: E402
@@ -262,6 +266,7 @@ def run_point(kind: str, cfg, block: AttentionBlock, stock: Callable, dep: Calla
         bad = parity_violations(errs)
         nbytes = weight_bytes(block) + traffic_bytes(cfg, kind, rows, q, context)
         fl = floors_us(nbytes)
+        roof = layer_roofline(block, cfg, kind, rows, q, context, traffic_bytes(cfg, kind, rows, q, context))
         n_steps = steps_per_replay(fl["practical"], copies=1)
         for name, fn in (("stock", stock), ("dep", dep)):
             try:
@@ -278,7 +283,8 @@ def run_point(kind: str, cfg, block: AttentionBlock, stock: Callable, dep: Calla
                                     for k in point[f"{name}_kernels"]]), flush=True)
     s, d = point["stock_us"], point["dep_us"]
     point.update(ratio=s / d if s and d else None, dep_over_floor=d / fl["practical"] if d else None,
-                 floor_433_us=fl["practical"], floor_48_us=fl["spec"], bytes=nbytes, n_steps=n_steps,
+                 floor_433_us=fl["practical"], floor_48_us=fl["spec"], bytes=nbytes, n_steps=n_steps, roofline=roof,
+                 roofline_us=roof["roofline_us"], dep_over_roofline=d / roof["roofline_us"] if d else None,
                  errors=errs, parity="ok" if not bad else "; ".join(bad))
     return point
 
@@ -294,10 +300,12 @@ def _errs(es: dict[str, float]) -> str:
 
 def table(points: list[dict]) -> str:
     headers = ["kind", "rows", "q", "context", "stock µs", "kimi_dep µs", "stock/dep", "dep/floor@4.33",
-               "floor@4.33 µs", "floor@4.8 µs", "err kimi_dep (out; caches)", "err stock (out; caches)", "parity"]
+               "floor@4.33 µs", "floor@4.8 µs", "FLOPs µs", "roofline µs", "dep/roofline", "err kimi_dep (out; caches)",
+               "err stock (out; caches)", "parity"]
     body = [[p["kind"], p["rows"], p["q"], _fmt(p["context"], "d"), _fmt(p["stock_us"], ".1f"),
              _fmt(p["dep_us"], ".1f"), _fmt(p["ratio"], ".3f"), _fmt(p["dep_over_floor"], ".2f"),
-             f"{p['floor_433_us']:.1f}", f"{p['floor_48_us']:.1f}", _errs(p["errors"]["kimi_dep"]),
+             f"{p['floor_433_us']:.1f}", f"{p['floor_48_us']:.1f}", f"{p['roofline']['flops_us']:.1f}",
+             f"{p['roofline_us']:.1f}", _fmt(p["dep_over_roofline"], ".2f"), _errs(p["errors"]["kimi_dep"]),
              _errs(p["errors"]["stock"]), "ok" if p["parity"] == "ok" else "FAIL"] for p in points]
     return format_table(headers, body)
 
@@ -311,7 +319,8 @@ def panels(kind: str, points: list[dict]) -> list[dict]:
         out.append({"title": title, "x": [p["rows"] for p in ps],
                     "series": {"stock (Inductor)": [p["stock_us"] for p in ps],
                                "kimi_dep": [p["dep_us"] for p in ps],
-                               "floor @4.33 TB/s": [p["floor_433_us"] for p in ps]}})
+                               "floor @4.33 TB/s": [p["floor_433_us"] for p in ps],
+                               "roofline floor": [p["roofline_us"] for p in ps]}})
     return out
 
 

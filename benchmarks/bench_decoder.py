@@ -25,7 +25,10 @@ median), which is what a user gets. Weights are not rotated: a step reads GBs of
 default slice holds ~23 GB and reads 8-23 GB a step), hundreds of times the 60 MB L2, so no launch finds them in L2.
 
 Reported per point: µs per step for each side and way, stock / kimi_dep, the step's HBM floor
-(``floor_bytes``) at 4.33 and 4.8 TB/s and each time over it; parity: the logits' relative
+(``floor_bytes``) at 4.33 and 4.8 TB/s and each time over it, the roofline floor
+(``roofline.step_roofline``: per kernel group the larger of its bytes at 4.33 TB/s and its FLOPs at the units'
+peak, summed; it exceeds the bytes floor where verify steps make the dense GEMMs compute-bound) and kimi_dep
+over it; parity: the logits' relative
 Frobenius error against eager for each side, and routing agreement (the fraction of (token,
 expert) picks equal to eager's, over every MoE layer; ``record_routing``). ``--profile`` adds a
 per-kernel breakdown of one point, grouped by kernel family (``KERNEL_GROUPS``), from profiled
@@ -52,6 +55,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_attention import traffic_bytes  # noqa: E402
 from common import (floors_us, format_table, plot_panels, raise_recompile_limits, rel_err,  # noqa: E402
                     time_graph, write_json)
+from roofline import step_roofline  # noqa: E402
 
 import dep_compile  # noqa: E402
 from dep_compile.debug.parity import record_routing, routing_agreement  # noqa: E402
@@ -268,8 +272,11 @@ def measure_point(model, args, rows: int, q: int, context: int, device) -> dict:
             ref = pt.run(model, None if args.no_parity else start.clone())
         floor = floor_bytes(model, rows, q, context, ref_ids)
         fl = floors_us(floor["total"])
-        out.update(floor_bytes=floor, floor_433_us=fl["practical"], floor_48_us=fl["spec"])
-        say(f"eager done; floor {fl['practical']:.0f} µs")
+        roof = step_roofline(model, rows, q, context, ref_ids, floor)
+        out.update(floor_bytes=floor, floor_433_us=fl["practical"], floor_48_us=fl["spec"], roofline=roof,
+                   roofline_us=roof["roofline_us"], flops_us=roof["flops_us"])
+        say(f"eager done; floor {fl['practical']:.0f} µs (bytes), roofline {roof['roofline_us']:.0f} µs "
+            f"(FLOPs alone {roof['flops_us']:.0f})")
         for side in args.sides:
             if device.type == "cpu" and side == "stock":
                 fn = model  # the smoke run: no Inductor (minutes on 2 cores)
@@ -314,6 +321,7 @@ def measure_point(model, args, rows: int, q: int, context: int, device) -> dict:
             out[f"ratio_{way}"] = s / d
         if d:
             out[f"dep_{way}_over_floor"] = d / out["floor_433_us"]
+            out[f"dep_{way}_over_roofline"] = d / out["roofline_us"]
         if s:
             out[f"stock_{way}_over_floor"] = s / out["floor_433_us"]
     return out
@@ -329,12 +337,13 @@ def table(points: list[dict]) -> str:
     """The results as a Markdown table."""
     f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
     headers = ["rows", "q", "ctx", "stock hand", "dep hand", "ratio", "stock ro", "dep ro", "ratio ro",
-               "floor@4.33", "floor@4.8", "dep/floor", "dep tok/s", "err stock", "err dep", "route stock", "route dep"]
+               "floor@4.33", "floor@4.8", "dep/floor", "FLOPs µs", "roofline", "dep/roofline", "dep tok/s", "err stock",
+               "err dep", "route stock", "route dep"]
     body = [[p["rows"], p["q"], p["context"], f(p.get("stock_hand_us"), ".0f"), f(p.get("kimi_dep_hand_us"), ".0f"),
              f(p.get("ratio_hand"), ".3f"), f(p.get("stock_ro_us"), ".0f"), f(p.get("kimi_dep_ro_us"), ".0f"),
              f(p.get("ratio_ro"), ".3f"), f(p.get("floor_433_us"), ".0f"), f(p.get("floor_48_us"), ".0f"),
-             f(p.get("dep_hand_over_floor"), ".2f"),
-             f(p.get("kimi_dep_tokens_per_s"), ".0f"), f(p.get("stock_rel_err"), ".1e"),
+             f(p.get("dep_hand_over_floor"), ".2f"), f(p.get("flops_us"), ".0f"), f(p.get("roofline_us"), ".0f"),
+             f(p.get("dep_hand_over_roofline"), ".2f"), f(p.get("kimi_dep_tokens_per_s"), ".0f"), f(p.get("stock_rel_err"), ".1e"),
              f(p.get("kimi_dep_rel_err"), ".1e"),
              f(p.get("stock_routing"), ".4f"), f(p.get("kimi_dep_routing"), ".4f")]
             for p in points if "error" not in p]
@@ -348,6 +357,7 @@ def plot(path: str, points: list[dict]) -> None:
         pts = [p for p in points if (p["q"], p["context"]) == (q, ctx) and "error" not in p]
         series = {f"{s} {w}": [p.get(f"{s}_{w}_us") for p in pts] for s in SIDES for w in ("hand", "ro")}
         series["floor @4.33 TB/s"] = [p["floor_433_us"] for p in pts]
+        series["roofline floor"] = [p["roofline_us"] for p in pts]
         panels.append({"title": f"decode step, q={q}, context {ctx}", "x": [p["rows"] for p in pts], "series": series})
     if panels:
         plot_panels(path, panels, xlabel="requests", ylabel="µs per step")

@@ -70,6 +70,28 @@ def test_full_size_weight_bytes():
     assert round(ba.weight_bytes(dsa) / 1e6) == 479  # fused 14400 + wk 128 + wv 32 rows, q_b, kv_b, wq_b, o_proj
 
 
+def test_layer_roofline_at_full_size():
+    """The DSA layer at 64 requests x q = 4 x 4K is compute-bound: its core (256 tokens x 96 heads x 2048 rows x
+    (576 + 512) x 2 FLOPs ~ 110 GFLOP, and the indexer 8.6: 150 µs at 790 TFLOP/s, against ~43 µs of bytes) and its
+    projections; a decode step (1 x 1) is bytes-bound."""
+    import roofline as rl
+
+    k31 = preset("k31")
+    with torch.device("meta"):
+        dsa = ba.AttentionBlock(k31, "dsa").to(torch.bfloat16)
+    core = ba.traffic_bytes(k31, "dsa", 64, 4, 4096)
+    r = rl.layer_roofline(dsa, k31, "dsa", 64, 4, 4096, core)
+    flops = 2 * 256 * 96 * 2048 * (576 + 512) + 2 * 256 * 4096 * 32 * 128  # sparse MLA + the 32-head indexer
+    assert r["groups"]["core"]["flops_us"] == pytest.approx(flops / 790e12 * 1e6)
+    assert r["groups"]["core"]["floor_us"] == r["groups"]["core"]["flops_us"] > r["groups"]["core"]["bytes_us"]
+    w = r["groups"]["weights"]  # 2 x 256 tokens x ~240M weights: 155 µs of FLOPs, 111 µs of bytes
+    assert w["bytes_us"] == pytest.approx(479e6 / 4.33e12 * 1e6, rel=1e-3)
+    assert w["floor_us"] == w["flops_us"] > w["bytes_us"]
+    assert r["roofline_us"] == pytest.approx(w["flops_us"] + r["groups"]["core"]["flops_us"])
+    one = rl.layer_roofline(dsa, k31, "dsa", 1, 1, 4096, ba.traffic_bytes(k31, "dsa", 1, 1, 4096))  # decode: bytes
+    assert one["roofline_us"] == pytest.approx(one["bytes_us"])
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("kind,rows,q,context", [("kda", 3, 1, None), ("kda", 2, 4, None),
                                                  ("dsa", 3, 1, 40), ("dsa", 2, 4, 10), ("dsa", 5, 2, 300)])

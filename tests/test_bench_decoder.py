@@ -77,3 +77,50 @@ def test_rank_run_matches_the_memory_table(tmp_path):
     p = data["points"][0]
     assert p["cache_bytes"] == 3 * mem["table_cache_bytes_per_request"], (p["cache_bytes"], mem)
     assert "stock_hand_us" not in p and "kimi_dep_rel_err" not in p and p["kimi_dep_hand_us"] > 0
+
+
+def test_roofline_by_hand():
+    """The roofline floor's FLOP terms on the small preset, counted by hand, and each group's floor the larger
+    of its two terms."""
+    import roofline as rl
+
+    cfg = preset("k31-small", num_layers=4)  # KDA+dense, KDA, KDA, DSA; 3 MoE layers of 64 experts
+    model = bd.build_model(cfg, "cpu")
+    rows, q, ctx = 2, 3, 40
+    ids = [torch.tensor([[0, 1]] * 6), torch.tensor([[5, 5]] * 6), torch.tensor([[63, 0]] * 6)]  # 12 rows a layer
+    nbytes = bd.floor_bytes(model, rows, q, ctx, ids)
+    got = rl.step_roofline(model, rows, q, ctx, ids, nbytes)
+    T = rows * q
+    mats = sum(p.numel() for n, p in model.named_parameters()
+               if p.dim() >= 2 and ".experts." not in n and "embed_tokens" not in n)
+    expect = {
+        "weights": 2 * T * mats / rl.PEAK_FLOPS["bf16"],
+        "experts": 2 * 36 * 3 * cfg.moe_intermediate * cfg.moe_latent_size / rl.PEAK_FLOPS["bf16"],
+        "kda_states": 3 * T * cfg.kda_heads * cfg.kda_head_dim ** 2 * 8 / rl.PEAK_FLOPS["fp32"],
+        # DSA: top-k (16 here) of 40 attended, QK over the latent and PV over kv_lora; the indexer over all 40
+        "dsa_mla": (2 * T * cfg.mla_heads * min(ctx, cfg.index_topk) * (cfg.latent_dim + cfg.kv_lora_rank)
+                    + 2 * T * ctx * cfg.index_heads * cfg.index_head_dim) / rl.PEAK_FLOPS["bf16"],
+    }
+    for g, seconds in expect.items():
+        v = got["groups"][g]
+        assert abs(v["flops_us"] - seconds * 1e6) <= 1e-9 * max(1.0, seconds * 1e6), (g, v, seconds)
+        assert v["floor_us"] == max(v["bytes_us"], v["flops_us"])
+        assert abs(v["bytes_us"] - nbytes[g] / 4.33e12 * 1e6) < 1e-9
+    assert abs(got["roofline_us"] - sum(v["floor_us"] for v in got["groups"].values())) < 1e-9
+    assert got["roofline_us"] >= got["bytes_us"] - 1e-9
+
+
+def test_roofline_terms_of_a_big_verify_step():
+    """Full-width slice, 64 requests x q = 4 x 4K: the dense GEMMs' FLOPs are ~2.6 ms at 790 TFLOP/s (issue #29's
+    count), 70 % of their bytes' 3.7 ms; the DSA core (2048 rows attended by each of 256 tokens) is compute-bound."""
+    import roofline as rl
+
+    cfg = preset("k31", num_layers=4, n_routed_experts=16)
+    with torch.device("meta"):
+        model = bd.KimiK3ForCausalLM(cfg)
+    secs = rl.weight_flop_seconds(model, 64 * 4)
+    nbytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                 if ".experts." not in n and "embed_tokens" not in n)
+    assert 2.4e-3 < secs < 2.8e-3 and 0.6 < secs / (nbytes / 4.33e12) < 0.8, (secs, nbytes / 4.33e12)
+    dsa = rl.attention_flop_seconds(cfg, "dsa", 64, 4, 4096)
+    assert dsa > bd.traffic_bytes(cfg, "dsa", 64, 4, 4096) / 4.33e12, dsa
