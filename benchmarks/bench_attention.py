@@ -264,9 +264,10 @@ def run_point(kind: str, cfg, block: AttentionBlock, stock: Callable, dep: Calla
         errs = parity(block, {"stock": stock, "kimi_dep": dep}, step)
         point["op"] = rewritten_op(kind)
         bad = parity_violations(errs)
-        nbytes = weight_bytes(block) + traffic_bytes(cfg, kind, rows, q, context)
+        core = traffic_bytes(cfg, kind, rows, q, context)
+        nbytes = weight_bytes(block) + core
         fl = floors_us(nbytes)
-        roof = layer_roofline(block, cfg, kind, rows, q, context, traffic_bytes(cfg, kind, rows, q, context))
+        roof = layer_roofline(block, cfg, kind, rows, q, context, core)
         n_steps = steps_per_replay(fl["practical"], copies=1)
         for name, fn in (("stock", stock), ("dep", dep)):
             try:

@@ -55,7 +55,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_attention import traffic_bytes  # noqa: E402
 from common import (floors_us, format_table, plot_panels, raise_recompile_limits, rel_err,  # noqa: E402
                     time_graph, write_json)
-from roofline import step_roofline  # noqa: E402
+from roofline import local_ids, step_roofline  # noqa: E402
 
 import dep_compile  # noqa: E402
 from dep_compile.debug.parity import record_routing, routing_agreement  # noqa: E402
@@ -163,8 +163,7 @@ def floor_bytes(model: KimiK3ForCausalLM, rows: int, q: int, context: int, routi
     moe = [layer.mlp.experts for layer in model.model.layers if hasattr(layer.mlp, "experts")]
     for experts_mod, ids in zip(moe, routing[:len(moe)]):
         per_expert = sum(p[0].numel() * p.element_size() for p in experts_mod.parameters())  # BF16, or MXFP4 codes + scales
-        touched = ids - experts_mod.expert_start
-        experts += touched[(touched >= 0) & (touched < experts_mod.num_local)].unique().numel() * per_expert
+        experts += local_ids(experts_mod, ids).unique().numel() * per_expert
     kinds = [layer.kind for layer in model.model.layers]
     states = kinds.count("kda") * traffic_bytes(cfg, "kda", rows, q)
     attention = sum(traffic_bytes(cfg, k, rows, q, context) for k in kinds if k in ("dsa", "mla"))

@@ -58,16 +58,19 @@ def attention_flop_seconds(cfg, kind: str, rows: int, q: int, context: int | Non
     return attention_flops(cfg, kind, rows, q, context) / PEAK_FLOPS["fp32" if kind == "kda" else "bf16"]
 
 
+def local_ids(experts, ids: torch.Tensor) -> torch.Tensor:
+    """The routed ids [T, K] that land on ``experts`` (an experts module's local range), as local ids (flat)."""
+    local = ids - experts.expert_start
+    return local[(local >= 0) & (local < experts.num_local)]
+
+
 def step_roofline(model: torch.nn.Module, rows: int, q: int, context: int, routing: list[torch.Tensor],
                   nbytes: dict) -> dict:
     """The decoder step's ``roofline``: ``nbytes`` the step's bytes by group (``bench_decoder.floor_bytes``),
     ``routing`` each MoE layer's expert ids [T, K] (the local ones are routed rows)."""
     cfg = model.config
     moe = [layer.mlp.experts for layer in model.model.layers if hasattr(layer.mlp, "experts")]
-    routed = 0
-    for experts, ids in zip(moe, routing[:len(moe)]):
-        local = ids - experts.expert_start
-        routed += int(((local >= 0) & (local < experts.num_local)).sum())
+    routed = sum(local_ids(experts, ids).numel() for experts, ids in zip(moe, routing[:len(moe)]))
     kinds = [layer.kind for layer in model.model.layers]
     return roofline({
         "weights": (nbytes["weights"], weight_flop_seconds(model, rows * q)),

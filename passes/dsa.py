@@ -207,7 +207,7 @@ def decisive_index(caches: dict, table: torch.Tensor, lens: list, q: int, g: tor
         f = LADDER_BASE * LADDER_STEP ** torch.randperm(len(plus), generator=g).double()
         f = torch.cat([f, -f[:half]]).float()  # [n - q]
         mult = 2.0 ** torch.randint(0, 6, (n - q,), generator=g).float()  # keys up to 256 (e4m3: 448)
-        blk, off = table[b, torch.cat([plus, minus]) // bs], torch.cat([plus, minus]) % bs
+        blk, off = table[b, p // bs], p % bs  # p = [plus; minus]
         keys[blk, off] = (mult[:, None] * u).to(FP8)
         scales[blk, off] = f / mult
         src, dst = torch.arange(half), len(plus) + torch.arange(half)  # plus[i] -> minus[i]

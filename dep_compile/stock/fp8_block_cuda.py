@@ -165,12 +165,13 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     xs = xs.t().contiguous().t()  # [rows, K/128], column-major
     outs = []
     for w, ws in runs:  # a run cuBLAS has not been seen to take is tried once, outside captures
+        key = _run_key(xq, w, ws)
         try:
             outs.append(torch._scaled_mm(xq, w.t(), xs, ws.t(), out_dtype=torch.bfloat16))
         except RuntimeError:
-            _TAKES[_run_key(xq, w, ws)] = False
+            _TAKES[key] = False
             return block_fp8_gemm(x, weight, weight_scale, segments)
-        _TAKES[_run_key(xq, w, ws)] = True
+        _TAKES[key] = True
     out = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
     return out if rows == m else out[:m]
 
