@@ -2,7 +2,8 @@
 
     python benchmarks/bench_decoder.py [--rows 1 64] [--context 4096] [--q 1] [--layers 4]
         [--experts 64 | --local-experts 56] [--modes hand ro] [--sides stock kimi_dep] [--no-parity]
-        [--profile] [--out DIR]
+        [--decisive] [--profile] [--out DIR]
+    torchrun --nproc-per-node 2 benchmarks/bench_decoder.py ...   # DEP2: each GPU its own requests, half the experts
 
 A full-depth DEP32 rank of K3.1 (all 93 layers, 28 local experts a MoE layer, MXFP4 experts, FP8 dense):
 ``--layers 93 --local-experts 28 --dense fp8_block --sides kimi_dep --no-parity``; the built model's bytes are
@@ -35,6 +36,19 @@ per-kernel breakdown of one point, grouped by kernel family (``KERNEL_GROUPS``),
 CUDA-graph replays. Writes ``decoder.json`` (after every point), ``decoder.png`` and
 ``decoder.md`` (the table) under ``--out``.
 
+Under ``torchrun`` (more than one rank: DEP, ``dep_ranks.py``) every rank builds the same slice, keeps its
+block of each MoE's routed experts (``--experts`` over the ranks; stock and kimi_dep alike), and decodes its
+own ``rows`` requests; the parity reference is the unsharded model, eager, on the rank's requests. A point adds
+the bytes the EP collectives bring to a rank (``link_bytes``) at the link's bandwidth measured at start
+(``link_us``), which the floors include, and the step's collectives timed alone (``collectives_us``); its
+numbers are the slowest rank's (``ranks`` keeps each rank's), tokens/s the host's. ``--profile`` names the
+NCCL kernels' share (it includes a rank's wait for the other).
+
+``--decisive`` puts the routers' correction biases 1 apart (``debug.parity.decisive_routing``): every side
+picks the same experts, so the logits and caches compare with no near-tied expert flipping (the parity
+yardstick); every token then takes the same 16 experts, so its timings read fewer expert bytes than a real
+step's.
+
 ``--device cpu`` is a smoke run for CI (tiny configs; eager vs kimi_dep pattern-only, timed by
 the wall clock, which measures nothing): every path but the GPU timing runs.
 """
@@ -55,11 +69,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_attention import traffic_bytes  # noqa: E402
 from common import (floors_us, format_table, plot_panels, raise_recompile_limits, rel_err,  # noqa: E402
                     time_graph, write_json)
+import dep_ranks  # noqa: E402
 from roofline import local_ids, step_roofline  # noqa: E402
 
 import dep_compile  # noqa: E402
-from dep_compile.debug.parity import record_routing, routing_agreement  # noqa: E402
+from dep_compile.debug.parity import decisive_routing, record_routing, routing_agreement  # noqa: E402
 from dep_compile.stock import KimiCache, RequestBatch, preset  # noqa: E402
+from dep_compile.stock.cache import FP8_REL, cache_differences  # noqa: E402
 from dep_compile.stock.model import KimiK3ForCausalLM  # noqa: E402
 from dep_compile.stock.moe import EXPERTS  # noqa: E402
 from dep_compile.stock.mxfp4 import random_mxfp4  # noqa: E402
@@ -70,6 +86,7 @@ SIDES = ("stock", "kimi_dep")  # stock = the stock model compiled by plain Induc
 # grouped GEMM (torch._grouped_mm) is a CUTLASS 3.x kernel ("...at::cuda::detail::
 # enable_3x_kernel_for_sm9x..."); the plain GEMMs here are cuBLAS's (nvjet, cublasLt).
 KERNEL_GROUPS = (
+    ("EP dispatch / combine (NCCL)", ("nccl",)),
     ("AttnRes", ("attn_res",)),
     ("Inductor glue (norms, router, SiTU, casts)", ("triton_",)),
     ("routed experts", ("grouped", "experts", "enable_3x_kernel_for_sm9x", "_gemm1_kernel", "_gemm2_kernel",
@@ -132,11 +149,12 @@ def build_model(cfg, device, seed: int = 0, local_experts: int | None = None) ->
 
 def memory_check(model: KimiK3ForCausalLM, args, device) -> dict:
     """The built model's bytes (parameters, and on CUDA what the allocator holds) beside ``dep_compile.memory``'s
-    table for the same config: an EP rank's (``--local-experts``: DEP = routed experts / local) or the whole model's."""
+    table for the same config: an EP rank's (``--local-experts``: DEP = routed experts / local; under torchrun
+    the ranks) or the whole model's."""
     from dep_compile.memory import GB, rank_memory
 
     cfg = model.config
-    dep = cfg.n_routed_experts // args.local_experts if args.local_experts else 1
+    dep = cfg.n_routed_experts // args.local_experts if args.local_experts else dep_ranks.world()[1]
     table = rank_memory(cfg, dep, max(args.context), cfg.dense_format)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     out = dict(dep=dep, param_bytes=params, table_weight_bytes=table.weights,
@@ -253,10 +271,12 @@ def kernel_groups(step, replays: int = 3) -> list[dict]:
     return sorted(rows, key=lambda r: -r["us"])
 
 
-def measure_point(model, args, rows: int, q: int, context: int, device) -> dict:
-    """Parity and timings of one point (see the module docstring)."""
+def measure_point(model, args, rows: int, q: int, context: int, device, full=None) -> dict:
+    """Parity and timings of one point (see the module docstring); ``full``: at DEP, the unsharded model (the
+    parity reference; None: ``model``)."""
     cfg = model.config
-    pt = Point(cfg, rows, q, context, args.block_size, device, seed=rows + 7 * q)
+    rank, ranks = dep_ranks.world()
+    pt = Point(cfg, rows, q, context, args.block_size, device, seed=rows + 7 * q + 1000 * rank)
     opts = {"inductor": False, **_cublas_only()} if device.type == "cpu" else None
     out: dict = dict(rows=rows, q=q, context=context,  # the caches as allocated (blocks rounded up), for the memory table
                      cache_bytes=sum(t.numel() * t.element_size() for lc in pt.cache.layers for t in lc.tensors().values()))
@@ -267,13 +287,20 @@ def measure_point(model, args, rows: int, q: int, context: int, device) -> dict:
 
     with torch.no_grad():
         start = None if args.no_parity else pt.cache.clone()
+        ref_cache = None if args.no_parity else start.clone()
         with record_routing() as ref_ids:
-            ref = pt.run(model, None if args.no_parity else start.clone())
-        floor = floor_bytes(model, rows, q, context, ref_ids)
+            ref = pt.run(full if full is not None else model, ref_cache)
+        step_ids = dep_ranks.gather_routing(ref_ids) if ranks > 1 else ref_ids  # what this rank's experts see
+        floor = floor_bytes(model, rows, q, context, step_ids)
         fl = floors_us(floor["total"])
-        roof = step_roofline(model, rows, q, context, ref_ids, floor)
+        roof = step_roofline(model, rows, q, context, step_ids, floor)
         out.update(floor_bytes=floor, floor_433_us=fl["practical"], floor_48_us=fl["spec"], roofline=roof,
                    roofline_us=roof["roofline_us"], flops_us=roof["flops_us"])
+        if ranks > 1:
+            moe = sum(hasattr(layer.mlp, "experts") for layer in model.model.layers)
+            out["link_bytes"] = dep_ranks.link_bytes(cfg, rows * q, ranks, moe)
+            out["link_us"] = out["link_bytes"] / args.link_bps * 1e6 if args.link_bps else 0.0
+            out["collectives_us"] = dep_ranks.collectives_alone_us(cfg, rows * q, moe, device)
         say(f"eager done; floor {fl['practical']:.0f} µs (bytes), roofline {roof['roofline_us']:.0f} µs "
             f"(FLOPs alone {roof['flops_us']:.0f})")
         for side in args.sides:
@@ -286,12 +313,18 @@ def measure_point(model, args, rows: int, q: int, context: int, device) -> dict:
                 say(f"{side} compiled")
             else:
                 pt.run(fn, start.clone())  # compiles (kimi_dep's translation validation calls the MoE op too)
+                side_cache = start.clone()
                 with record_routing() as ids:
-                    logits = pt.run(fn, start.clone())
+                    logits = pt.run(fn, side_cache)
                 out[f"{side}_rel_err"] = rel_err(logits, ref)
+                # FP8 index keys / latents dequantized, one e4m3 step reading as 0.05 (as runtime.dep_check)
+                out[f"{side}_cache_err"] = max(cache_differences(side_cache.snapshot(), ref_cache.snapshot(),
+                                                                 fp8_scale=0.05 / FP8_REL).values())
+                del side_cache
                 out[f"{side}_routing"] = routing_agreement(ids, ref_ids)
                 out[f"{side}_routing_by_layer"] = [routing_agreement([a], [b]) for a, b in zip(ids, ref_ids)]
-                say(f"{side} compiled; rel err {out[f'{side}_rel_err']:.2e}, routing {out[f'{side}_routing']:.4f}")
+                say(f"{side} compiled; rel err {out[f'{side}_rel_err']:.2e}, cache err {out[f'{side}_cache_err']:.2e}, "
+                    f"routing {out[f'{side}_routing']:.4f}")
             if side == "kimi_dep":
                 out["rewritten"] = [m.op for m in dep_compile.last_report().layers if m.rewritten]
             if device.type == "cpu":
@@ -314,16 +347,22 @@ def measure_point(model, args, rows: int, q: int, context: int, device) -> dict:
                                              and cudagraph_nodes() > graphs)
                 say(f"{side} reduce-overhead {us:.0f} µs, graphed {out[f'{side}_ro_graphed']}")
             torch.cuda.synchronize()
-    for way in ("hand", "ro"):
-        s, d = out.get(f"stock_{way}_us"), out.get(f"kimi_dep_{way}_us")
-        if s and d:
-            out[f"ratio_{way}"] = s / d
-        if d:
-            out[f"dep_{way}_over_floor"] = d / out["floor_433_us"]
-            out[f"dep_{way}_over_roofline"] = d / out["roofline_us"]
-        if s:
-            out[f"stock_{way}_over_floor"] = s / out["floor_433_us"]
     return out
+
+
+def add_ratios(p: dict) -> dict:
+    """stock / kimi_dep and each side over the floors (at DEP the floors include the link's ``link_us``)."""
+    link = p.get("link_us", 0.0)
+    for way in ("hand", "ro"):
+        s, d = p.get(f"stock_{way}_us"), p.get(f"kimi_dep_{way}_us")
+        if s and d:
+            p[f"ratio_{way}"] = s / d
+        if d:
+            p[f"dep_{way}_over_floor"] = d / (p["floor_433_us"] + link)
+            p[f"dep_{way}_over_roofline"] = d / (p["roofline_us"] + link)
+        if s:
+            p[f"stock_{way}_over_floor"] = s / (p["floor_433_us"] + link)
+    return p
 
 
 def _cublas_only() -> dict:
@@ -344,8 +383,14 @@ def table(points: list[dict]) -> str:
              f(p.get("dep_hand_over_floor"), ".2f"), f(p.get("flops_us"), ".0f"), f(p.get("roofline_us"), ".0f"),
              f(p.get("dep_hand_over_roofline"), ".2f"), f(p.get("kimi_dep_tokens_per_s"), ".0f"), f(p.get("stock_rel_err"), ".1e"),
              f(p.get("kimi_dep_rel_err"), ".1e"),
-             f(p.get("stock_routing"), ".4f"), f(p.get("kimi_dep_routing"), ".4f")]
+             f(p.get("stock_routing"), ".4f"), f(p.get("kimi_dep_routing"), ".4f"),
+             f(p.get("stock_cache_err"), ".1e"), f(p.get("kimi_dep_cache_err"), ".1e")]
             for p in points if "error" not in p]
+    headers += ["cache err stock", "cache err dep"]
+    if any("link_us" in p for p in points):  # DEP: the floors above include link µs
+        headers += ["link µs", "collectives alone µs"]
+        body = [row + [f(p.get("link_us"), ".1f"), f(p.get("collectives_us"), ".0f")]
+                for row, p in zip(body, [p for p in points if "error" not in p])]
     return format_table(headers, body)
 
 
@@ -385,6 +430,9 @@ def parse_args(argv=None):
     ap.add_argument("--no-parity", action="store_true",
                     help="no compiled-vs-eager check: it holds two more copies of the caches, which a full-depth rank "
                          "at tens of requests has no room for; eager runs once, on the point's caches, for the floor")
+    ap.add_argument("--decisive", action="store_true",
+                    help="the routers' correction biases 1 apart: no near-tied expert flips (the parity yardstick); "
+                         "every token then takes the same experts")
     ap.add_argument("--profile", action="store_true", help="per-kernel breakdown at --profile-point")
     ap.add_argument("--profile-point", type=int, nargs=3, default=[64, 1, 4096], metavar=("ROWS", "Q", "CTX"))
     ap.add_argument("--device", default="cuda")
@@ -395,6 +443,12 @@ def parse_args(argv=None):
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     device = torch.device(args.device)
+    rank, ranks = dep_ranks.world()
+    if ranks > 1:
+        if args.local_experts:
+            raise SystemExit("--local-experts is one EP rank's shape on one GPU; under torchrun the ranks shard "
+                             "--experts themselves")
+        device = dep_ranks.init(device)
     experts = 896 if args.local_experts else args.experts
     cfg = preset(args.preset, num_layers=args.layers, n_routed_experts=experts,
                  **({"experts_format": args.experts_format} if args.experts_format else {}),
@@ -402,30 +456,47 @@ def main(argv=None) -> list[dict]:
     raise_recompile_limits(4 * len(args.rows) * len(args.q) * len(args.context))
     t0 = time.perf_counter()
     model = build_model(cfg, device, local_experts=args.local_experts)
+    if args.decisive:
+        decisive_routing(model)
+    full = None
+    if ranks > 1:  # DEP: this rank's experts; the unsharded model stays as the parity reference
+        full = None if args.no_parity else model
+        model = dep_ranks.shard(model, keep_full=not args.no_parity)
+        args.link_bps = dep_ranks.link_bandwidth(device)
     local = f" ({args.local_experts} local)" if args.local_experts else ""
+    if ranks > 1:
+        local = f" (DEP{ranks}: rank {rank} holds {model.model.layers[-1].mlp.experts.num_local}" + (
+            f"; link {args.link_bps / 1e9:.0f} GB/s)" if args.link_bps else ")")
     print(f"model: {cfg.name}, {args.layers} layers {[l.kind for l in model.model.layers]}, {experts} "
           f"{cfg.experts_format} experts{local}, {cfg.dense_format} dense; "
           f"built in {time.perf_counter() - t0:.1f} s", flush=True)
     memory = memory_check(model, args, device)
     points: list[dict] = []
     meta = dict(memory=memory, preset=cfg.name, layers=args.layers, experts=experts, experts_format=cfg.experts_format,
-                dense_format=cfg.dense_format,
-                local_experts=args.local_experts,
+                dense_format=cfg.dense_format, local_experts=args.local_experts, ep=ranks, decisive=args.decisive,
+                link_bps=getattr(args, "link_bps", None),
                 command="python benchmarks/bench_decoder.py " + " ".join(sys.argv[1:] if argv is None else argv))
     for q in args.q:
         for ctx in args.context:
             for rows in args.rows:
                 t0 = time.perf_counter()
                 try:
-                    p = measure_point(model, args, rows, q, ctx, device)
+                    p = measure_point(model, args, rows, q, ctx, device, full)
                 except Exception as e:  # noqa: BLE001 - a failed point is recorded, the grid goes on
+                    if ranks > 1:
+                        raise  # the other ranks wait in this point's collectives: stop them all
                     traceback.print_exc()
                     p = dict(rows=rows, q=q, context=ctx, error=f"{type(e).__name__}: {e}")
                 p["seconds"] = time.perf_counter() - t0
+                p = add_ratios(dep_ranks.merge(p) if ranks > 1 else p)
                 points.append(p)
-                print({k: v for k, v in p.items() if not k.endswith("_kernels")}, flush=True)
-                write_json(os.path.join(args.out, "decoder.json"), {**meta, "points": points})
                 torch._dynamo.reset()
+                if rank:
+                    continue
+                print({k: v for k, v in p.items() if not k.endswith("_kernels") and k != "ranks"}, flush=True)
+                write_json(os.path.join(args.out, "decoder.json"), {**meta, "points": points})
+    if rank:
+        return points
     text = table(points)
     print(text)
     for p in points:
@@ -441,3 +512,5 @@ def main(argv=None) -> list[dict]:
 
 if __name__ == "__main__":
     main()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -122,3 +122,21 @@ def aligned_calls_worker(rank, world, port, out_dir):
         dist.destroy_process_group()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"calls": calls, "err": err}, f)
+
+
+def bench_decoder_worker(rank, world, port, out_dir, argv):
+    """``benchmarks/bench_decoder.py`` as torchrun starts it on each rank (its env), gloo on the CPU; each rank's
+    returned points go to ``rank<r>.json``."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import bench_decoder
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    try:
+        points = bench_decoder.main([*argv, "--out", out_dir])
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(points, f, default=str)

@@ -124,3 +124,39 @@ def test_roofline_terms_of_a_big_verify_step():
     assert 2.4e-3 < secs < 2.8e-3 and 0.6 < secs / (nbytes / 4.33e12) < 0.8, (secs, nbytes / 4.33e12)
     dsa = rl.attention_flop_seconds(cfg, "dsa", 64, 4, 4096)
     assert dsa > bd.traffic_bytes(cfg, "dsa", 64, 4, 4096) / 4.33e12, dsa
+
+
+def test_dep2_run_across_two_ranks(tmp_path):
+    """The benchmark under torchrun's env at DEP2 (gloo on the CPU, the CPU smoke run): each rank holds half of each
+    MoE's experts and decodes its own requests, every MoE layer is ``kimi_dep.moe[ep2]``, the logits and caches
+    of both sides equal the unsharded model's on each rank's requests up to the cross-rank FP32 sum order (decisive
+    routing: the same experts everywhere), the floors count each rank's own share of the experts touched, the
+    link bytes are the dispatch's and combine's, and every rank returns the same merged points."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    import dep_workers
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = ["--device", "cpu", "--preset", "k31-small", "--layers", "4", "--rows", "2", "--q", "2", "--context", "24",
+            "--block-size", "4", "--decisive"]
+    mp.spawn(dep_workers.bench_decoder_worker, args=(2, port, str(tmp_path), argv), nprocs=2, join=True)
+    data = json.loads((tmp_path / "decoder.json").read_text())
+    assert data["ep"] == 2 and data["decisive"] and data["memory"]["dep"] == 2, data
+    (p,) = data["points"]
+    assert p.get("error") is None, p
+    assert json.loads((tmp_path / "rank1.json").read_text())[0]["kimi_dep_hand_us"] == p["kimi_dep_hand_us"]
+    n = Counter(p["rewritten"])
+    assert (n["kimi_dep.kda_attention"], n["kimi_dep.dsa_attention"], n["kimi_dep.moe[ep2]"]) == (3, 1, 3), n
+    assert [(r["rows"], r["q"]) for r in p["ranks"]] == [(2, 2), (2, 2)]
+    for side in ("stock", "kimi_dep"):  # stock: eager on the CPU; only the cross-rank FP32 sum order differs
+        assert p[f"{side}_routing"] == 1.0 and p[f"{side}_rel_err"] < 1e-2 and p[f"{side}_cache_err"] < 0.05, p
+    per_expert = (2 * 64 * 128 + 128 * 64) * 2  # BF16 w13 [2I, Lat] + w2 [Lat, I]
+    assert sum(r["floor_bytes"]["experts"] for r in p["ranks"]) == 3 * 16 * per_expert  # 3 layers, the same 16
+    assert p["link_bytes"] == 3 * 1 * 4 * (2 * 128 + 4 * 16 + 8 * 16 + 4 * 128)  # 3 MoE layers, 1 peer, 4 rows
+    assert p["link_us"] == 0.0 and p["collectives_us"] is None  # the CPU: no link bandwidth, collectives untimed
+    assert p["kimi_dep_hand_us"] == max(r["kimi_dep_hand_us"] for r in p["ranks"])
+    assert "| link µs |" in (tmp_path / "decoder.md").read_text()
