@@ -7,7 +7,8 @@ events over CUDA-graph replays (medians, ``common.time_graph``), every listed co
 
 * ``index_logits`` (keys per step, steps per program, warps, pipeline stages),
 * top-k: torch (``select_topk_positions``: topk + sort) against the one-launch radix select
-  (``select_topk_triton``, chunk size, warps, radix digit width), each first checked against torch,
+  (``select_topk_triton``, chunk size, warps, radix digit width) and the many-programs-a-row one
+  (``topk_triton.select_topk_chunked``: entries a program, warps, digit width), each first checked against torch,
 * ``sparse_mla_decode_latent`` over cache rows (heads per program, entries per step, warps,
   pipeline stages, splits of the selected entries), each first checked against the default,
 * ``per_head`` (once per token count): ``absorb_query`` and ``uv_gate`` by the output columns
@@ -98,6 +99,14 @@ def sweep_point(dt, T: int, ctx: int, kernels: set[str]) -> list[dict]:
         for cfg in configs:  # every variant selects the same entries
             assert torch.equal(dt.select_topk_triton(logits, TOPK, **cfg), topk), f"top-k {cfg} disagrees"
         results += sweep("topk_triton", configs, lambda **k: dt.select_topk_triton(logits, TOPK, **k), T * ctx * 4,
+                         T, ctx)
+        from dep_compile.ops.topk_triton import select_topk_chunked  # noqa: PLC0415 - CUDA only
+
+        chunked = [dict(chunk=c, num_warps=w, bits=bits) for c in (1024, 2048, 4096, 8192) for w in (4, 8, 16)
+                   for bits in (4, 8) if c // (32 * w) >= 1]
+        for cfg in chunked:  # many programs a row: the same entries
+            assert torch.equal(select_topk_chunked(logits, TOPK, **cfg), topk), f"chunked top-k {cfg} disagrees"
+        results += sweep("topk_chunked", chunked, lambda **k: select_topk_chunked(logits, TOPK, **k), T * ctx * 4,
                          T, ctx)
     if "sparse_mla" not in kernels:
         return results

@@ -274,6 +274,36 @@ def test_absorb_query(size, T, block_l):
     assert torch.equal(got[..., L:], ref[..., L:]), "q_rope not copied exactly"
 
 
+def topk_rows(N: int, topk: int) -> tuple[torch.Tensor, list[int]]:
+    """Rows of logits [6, N] with every visibility (none, fewer than topk, more: the visible counts), and a row
+    of massive exact ties with zeros of both signs (the last)."""
+    g = torch.Generator().manual_seed(N)
+    x = torch.randn(6, N, generator=g) * 3
+    vis = [0, topk // 2, topk, min(N, topk + 5), N, N]
+    for t, v in enumerate(vis):
+        x[t, v:] = float("-inf")
+    x[5, :] = torch.randint(-3, 4, (N,), generator=g).float()  # massive ties
+    x[5, ::3] *= -1  # exact zeros of both signs: -0.0 ties with +0.0, as in torch
+    return x, vis
+
+
+def check_topk(x: torch.Tensor, vis: list[int], topk: int, got: torch.Tensor) -> None:
+    """``got`` [T, topk] is the reference's select_topk of every row of ``topk_rows``; on the ties row the set
+    {> thr} plus the lowest positions == thr, ascending."""
+    N = x.shape[1]
+    for t, v in enumerate(vis):
+        if t == 5:
+            vals = x[t]
+            thr = vals.sort(descending=True).values[min(topk, N) - 1]
+            above = (vals > thr).nonzero().flatten()
+            eq = (vals == thr).nonzero().flatten()[: topk - above.numel()]
+            want = torch.full((topk,), -1, dtype=torch.int32)
+            want[: above.numel() + eq.numel()] = torch.cat([above, eq]).sort().values.to(torch.int32)
+        else:
+            want = select_topk(x[t, :v], topk)
+        assert torch.equal(got[t], want), f"row {t} (visible {v})"
+
+
 @pytest.mark.parametrize("bits", [2, 4, 8])  # radix digit width: 16, 8 or 4 passes
 @pytest.mark.parametrize("block", [64, 4096])  # 64: many chunks a row
 @pytest.mark.parametrize("N,topk", [(40, 16), (300, 16), (5000, 2048), (2000, 2048)]
@@ -284,26 +314,71 @@ def test_select_topk_triton(N, topk, block, bits):
     must be taken from the lowest positions) and negative, zero and positive logits; at every
     digit width."""
     dt = _dt()
-    g = torch.Generator().manual_seed(N)
-    T = 6
-    x = torch.randn(T, N, generator=g) * 3
-    vis = [0, topk // 2, topk, min(N, topk + 5), N, N]
-    for t, v in enumerate(vis):
-        x[t, v:] = float("-inf")
-    x[5, :] = torch.randint(-3, 4, (N,), generator=g).float()  # massive ties
-    x[5, ::3] *= -1  # exact zeros of both signs: -0.0 ties with +0.0, as in torch
-    got = dt.select_topk_triton(x.to(_DEV), topk, block=block, bits=bits).cpu()
-    for t, v in enumerate(vis):
-        if t == 5:  # ties: the set is {> thr} plus the lowest positions == thr, ascending
-            vals = x[t]
-            thr = vals.sort(descending=True).values[min(topk, N) - 1]
-            above = (vals > thr).nonzero().flatten()
-            eq = (vals == thr).nonzero().flatten()[: topk - above.numel()]
-            want = torch.full((topk,), -1, dtype=torch.int32)
-            want[: above.numel() + eq.numel()] = torch.cat([above, eq]).sort().values.to(torch.int32)
-        else:
-            want = select_topk(x[t, :v], topk)
-        assert torch.equal(got[t], want), f"row {t} (visible {v})"
+    x, vis = topk_rows(N, topk)
+    check_topk(x, vis, topk, dt.select_topk_triton(x.to(_DEV), topk, block=block, bits=bits).cpu())
+
+
+def _tk():
+    use_triton()
+    from dep_compile.ops import topk_triton  # noqa: PLC0415 - CUDA / interpreter only
+
+    return topk_triton
+
+
+# (N, topk, chunk, bits); chunk 16 / 64: tens of chunks a row, 4096: one (on the CPU). The interpreter runs a
+# sample of the GPU's grid (seconds a case).
+TOPK_CHUNKED = ([(N, k, c, b) for N, k in [(40, 16), (131072, 2048), (70000, 2048), (5000, 2048)]
+                 for c in ((16, 64, 4096) if N <= 5000 else (64, 4096)) for b in (4, 8)] if _DEV != "cpu" else
+                [(300, 16, 16, 8), (300, 16, 64, 4), (50, 64, 16, 8), (40, 16, 4096, 4), (700, 64, 64, 8),
+                 (700, 64, 4096, 8)])
+
+
+@pytest.mark.parametrize("N,topk,chunk,bits", TOPK_CHUNKED)
+def test_select_topk_chunked(N, topk, chunk, bits):
+    """The many-programs-a-row top-k: the same rows and checks as the one-launch kernel's, the threshold's ties
+    spread over chunks (their lowest positions taken first across chunks); at full size up to 128K positions.
+    As latent-cache rows too (``rows_of``: a shuffled block table shared by q_len = 2 tokens a request)."""
+    tk = _tk()
+    x, vis = topk_rows(N, topk)
+    got = tk.select_topk_chunked(x.to(_DEV), topk, chunk=chunk, bits=bits).cpu()
+    check_topk(x, vis, topk, got)
+    BS = 16
+    mb = -(-N // BS)
+    block_table = torch.randperm(3 * mb + 1, generator=torch.Generator().manual_seed(1))[: 3 * mb].view(3, mb)
+    rows = tk.select_topk_chunked(x.to(_DEV), topk, chunk=chunk, bits=bits,
+                                  rows_of=(block_table.to(torch.int32).to(_DEV), 2, BS)).cpu()
+    assert torch.equal(rows, _dt().physical_rows(got, block_table, 2, BS))
+
+
+def test_select_topk_chunked_mutant_fails():
+    """A broken kernel the check must catch: the count launch skipped (its counts zeroed), so every chunk
+    compacts at offset 0, as if no chunk came before it."""
+    tk = _tk()
+
+    class Skipped:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: None
+
+    x, vis = topk_rows(300, 16)
+    real = tk._chunk_count_kernel
+    tk._chunk_count_kernel = Skipped()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(tk.torch, "empty", torch.zeros)  # the skipped counts read as 0, not as garbage
+            got = tk.select_topk_chunked(x.to(_DEV), 16, chunk=16).cpu()
+    finally:
+        tk._chunk_count_kernel = real
+    with pytest.raises(AssertionError, match="row"):
+        check_topk(x, vis, 16, got)
+
+
+def test_select_topk_chunked_rejects_bad_shapes():
+    """Digit widths other than 4 or 8 and chunks that are not powers of two are refused before launch."""
+    tk = _tk()
+    with pytest.raises(ValueError, match="digit width 2"):
+        tk.select_topk_chunked(torch.zeros(1, 8, device=_DEV), 2, bits=2)
+    with pytest.raises(ValueError, match="chunk 100"):
+        tk.select_topk_chunked(torch.zeros(1, 8, device=_DEV), 2, chunk=100)
 
 
 def test_select_topk_triton_rejects_partial_digits():

@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from ..stock.batched_attention import select_topk_positions
+from .topk_triton import select_topk_triton
 
 __all__ = ["absorb_query", "latent_insert", "index_key_insert", "index_logits", "select_topk_positions",
            "select_rows", "select_topk_triton", "physical_rows",
@@ -209,128 +210,6 @@ def index_logits(q_idx: torch.Tensor, weights: torch.Tensor, index_cache: torch.
         float((Di ** -0.5) * (Hi ** -0.5)), N,
         Q_LEN=int(q_len), QP=qp, HI=Hi, DI=Di, BS=BS, BLOCK_N=block_n, STEPS=steps, F32=_INTERPRET,
         num_warps=num_warps, num_stages=num_stages)
-    return out
-
-
-@triton.jit
-def _sort_key(x):
-    """Order-preserving uint32 key of an FP32 value (-inf lowest of the non-NaN values; -0.0 and
-    +0.0 one key, equal as torch compares them)."""
-    b = tl.where(x == 0.0, 0.0, x).to(tl.uint32, bitcast=True)
-    flip = tl.where((b >> 31) != 0, 0xFFFFFFFF, 0x80000000).to(tl.uint32)
-    return b ^ flip
-
-
-@triton.jit
-def _digit_histogram(key, ok, prefix, pmask, shift, NBINS: tl.constexpr):
-    """Histogram [NBINS] of the digit at ``shift`` of the keys that are ``ok`` and match ``prefix``."""
-    match = ok & ((key & pmask) == prefix)
-    return tl.histogram(((key >> shift) & (NBINS - 1)).to(tl.int32), NBINS, mask=match)
-
-
-@triton.jit
-def _compact_chunk(key, n, ok, thr, need, done, eq_seen, out_row, bt_row, ROWS: tl.constexpr, BS: tl.constexpr):
-    """Store the chunk's selected positions (keys above ``thr``, plus equal ones while fewer than
-    ``need`` were seen) after the ``done`` already stored; returns the new (done, eq_seen)."""
-    eq = ok & (key == thr)
-    eq_rank = eq_seen + tl.cumsum(eq.to(tl.int32), axis=0) - 1
-    sel = ok & ((key > thr) | (eq & (eq_rank < need)))
-    slot = done + tl.cumsum(sel.to(tl.int32), axis=0) - 1
-    if ROWS:  # the latent-cache row of each selected position: block_table[request, n // BS] * BS + n % BS
-        blk = tl.load(bt_row + n // BS, mask=sel, other=0).to(tl.int64)
-        val = (blk * BS + n % BS).to(tl.int32)
-    else:
-        val = n.to(tl.int32)
-    tl.store(out_row + slot, val, mask=sel)
-    return done + tl.sum(sel.to(tl.int32), axis=0), eq_seen + tl.sum(eq.to(tl.int32), axis=0)
-
-
-@triton.jit
-def _topk_kernel(x_ptr, out_ptr, bt_ptr, N, stride_x, stride_out, stride_bt, K: tl.constexpr, KP: tl.constexpr,
-                 BLOCK: tl.constexpr, BITS: tl.constexpr, RESIDENT: tl.constexpr, ROWS: tl.constexpr,
-                 Q_LEN: tl.constexpr, BS: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    row = x_ptr + t * stride_x
-    out_row = out_ptr + t * stride_out
-    bt_row = bt_ptr + (t // Q_LEN) * stride_bt
-    offs = tl.arange(0, BLOCK)
-    ninf = _sort_key(tl.full([BLOCK], float("-inf"), tl.float32))
-    # radix select, BITS bits a pass from the top: thr = the want-th largest key, want = min(K,
-    # visible entries (> -inf)); `need` of the entries equal to thr are taken (the lowest
-    # positions first)
-    want = tl.zeros([], tl.int32)
-    if RESIDENT:  # the whole row (N <= BLOCK) in registers: read once for every pass
-        key_r = _sort_key(tl.load(row + offs, mask=offs < N, other=float("-inf")))  # [BLOCK] uint32
-        live_r = (offs < N) & (key_r > ninf)
-        want = tl.minimum(tl.sum(live_r.to(tl.int32), axis=0), K)
-    NBINS: tl.constexpr = 1 << BITS
-    bins = tl.arange(0, NBINS)
-    prefix = tl.zeros([], tl.uint32)
-    pmask = tl.zeros([], tl.uint32)
-    need = want
-    for p in tl.static_range(32 // BITS):
-        shift = 32 - BITS * (p + 1)
-        if RESIDENT:
-            hist = _digit_histogram(key_r, offs < N, prefix, pmask, shift, NBINS)
-        else:  # chunks of BLOCK entries, re-read every pass; the visible ones counted in the first
-            hist = tl.zeros([NBINS], tl.int32)
-            n_vis = tl.zeros([], tl.int32)
-            for c0 in range(0, N, BLOCK):
-                n = c0 + offs
-                key = _sort_key(tl.load(row + n, mask=n < N, other=float("-inf")))
-                hist += _digit_histogram(key, n < N, prefix, pmask, shift, NBINS)
-                if p == 0:
-                    n_vis += tl.sum((key > ninf).to(tl.int32), axis=0)
-            if p == 0:
-                want = tl.minimum(n_vis, K)
-                need = want
-        above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0)  # [NBINS]: matching entries with digit > bin
-        d = tl.sum((above >= need).to(tl.int32), axis=0)  # the digit of the want-th largest
-        need -= tl.sum(tl.where(bins == d, above, 0), axis=0)
-        prefix = prefix | (d.to(tl.uint32) << shift)
-        pmask = pmask | (tl.full([], NBINS - 1, tl.uint32) << shift)
-    # compaction in position order: the output is ascending by construction
-    any_ok = (tl.zeros([BLOCK], tl.int32) + want) > 0  # tensor mask (interpreter)
-    done = tl.zeros([], tl.int32)
-    eq_seen = tl.zeros([], tl.int32)
-    if RESIDENT:
-        done, eq_seen = _compact_chunk(key_r, offs, live_r & any_ok, prefix, need, done, eq_seen, out_row, bt_row,
-                                       ROWS, BS)
-    else:
-        for c0 in range(0, N, BLOCK):
-            n = c0 + offs
-            key = _sort_key(tl.load(row + n, mask=n < N, other=float("-inf")))
-            done, eq_seen = _compact_chunk(key, n, (n < N) & (key > ninf) & any_ok, prefix, need, done, eq_seen,
-                                           out_row, bt_row, ROWS, BS)
-    k = tl.arange(0, KP)
-    tl.store(out_row + k, tl.full([KP], -1, tl.int32), mask=(k >= done) & (k < K))
-
-
-def select_topk_triton(logits: torch.Tensor, topk: int, *, block: int | None = None, num_warps: int | None = None,
-                       bits: int = 4, rows_of: tuple[torch.Tensor, int, int] | None = None) -> torch.Tensor:
-    """:func:`select_topk_positions` in one launch (one program per row): radix select, then the
-    selected positions compacted in position order (ascending; ties at the threshold taken from
-    the lowest positions). logits: [T, N] FP32 (unit inner stride) -> [T, topk] int32.
-
-    ``rows_of = (block_table, q_len, block_size)``: store each selection's latent-cache row
-    (:func:`physical_rows`) instead of its position. ``bits``: radix digit width (1, 2, 4 or 8:
-    32 / bits passes over the row, then one to compact). ``block``: entries a chunk; a row of at
-    most ``block`` entries is read once and held in registers for every pass, a longer one is
-    re-read in chunks every pass. Defaults measured (bench_dsa_kernels.py, docs/perf.md): 4-bit
-    digits; the whole row up to 16K entries (8 warps up to 4K, 16 above): 11.6 µs at 4K, 20.1 at
-    8K, 38.3 at 16K (re-read in 4K chunks: 15.6, 28.5, 53.7); longer rows spill a resident row
-    (92-103 µs at 32K, 16-32 warps) and take 4K chunks, 8 warps (104-113 µs)."""
-    if bits not in (1, 2, 4, 8):  # the passes must resolve all 32 key bits
-        raise ValueError(f"radix digit width {bits} is not 1, 2, 4 or 8")
-    T, N = logits.shape
-    out = torch.empty(T, topk, dtype=torch.int32, device=logits.device)
-    bt, q_len, bs = rows_of if rows_of is not None else (out, 1, 1)
-    block = min(block or (16384 if N <= 16384 else 4096), triton.next_power_of_2(max(N, 16)))
-    num_warps = num_warps or (16 if block > 4096 else 8)
-    if T:
-        _topk_kernel[(T,)](logits, out, bt, N, logits.stride(0), out.stride(0), bt.stride(0), K=topk,
-                           KP=triton.next_power_of_2(topk), BLOCK=block, BITS=bits, RESIDENT=N <= block,
-                           ROWS=rows_of is not None, Q_LEN=int(q_len), BS=int(bs), num_warps=num_warps)
     return out
 
 
