@@ -1,17 +1,18 @@
 #!/usr/bin/env python3
 """Op-level benchmark of the Triton KDA decode core (``dep_compile.ops.kda_triton``).
 
-Kimi K3 full size (H=96, D=128, F=128, conv width 4), decode (q_len = 1) at B in {1, 4, 16,
-64} requests. For every B it
+Kimi K3 full size (H=96, D=128, F=128, conv width 4), decode (q_len = 1; ``--q 2``/``4``: verify steps, each
+request accepting a random 1..q of its tokens) at B in {1, 4, 16, 64} requests. For every B it
 
 1. checks the kernel against ``kda_core_ref`` on the GPU (same inputs, cloned states):
    output rel. Frobenius error, committed-state rel. error, conv state bit-equality;
-2. times each kernel variant (``VARIANTS``: warps, F_B chunk) with CUDA-graph replays
+2. times each kernel variant (``VARIANTS``: warps, F_B chunk, output before the update) with CUDA-graph replays
    (``benchmarks/common.time_graph``), rotating over enough "layer copies" (states, conv
    states, f_b_w, conv_w, inputs) that their total exceeds twice the L2, medians;
 3. if ``fla-core`` imports, times ``fla.ops.kda`` fused recurrent decode (in-kernel gate, L2
    norm, beta sigmoid, state indices, FP32 state in place, V-first state layout) over the same
-   rotation. fla's kernel covers the recurrence only (no conv, no F_B GEMM, no gated norm).
+   rotation (a request's q tokens one sequence). fla's kernel covers the recurrence only (no conv, no F_B GEMM,
+   no gated norm).
 
 Reported: µs per launch, state traffic TB/s (state read + written: 2 x 6 MiB per request),
 all-bytes TB/s (state + f_b_w + conv state + inputs/outputs), the state floor at 4.33 TB/s.
@@ -19,7 +20,7 @@ Writes ``kda_core.json`` and the plot ``kda_core.png`` to ``--out`` (default ``$
 
 Run from the repository root on a CUDA machine::
 
-    python3 benchmarks/bench_kda_core.py --out $OUT
+    python3 benchmarks/bench_kda_core.py --out $OUT [--q 4]
 """
 
 from __future__ import annotations
@@ -45,14 +46,15 @@ VARIANTS = {  # name -> launcher kwargs
     "w4": dict(num_warps=4),
     "w4_fb64": dict(num_warps=4, fb=64),
     "w8": dict(num_warps=8),
+    "w4_ofirst": dict(num_warps=4, o_first=True),
 }
 
 
-def make_copy(B: int, seed: int, dev: str) -> dict:
-    """One layer's worth of random inputs / weights / states for a decode step of B requests."""
+def make_copy(B: int, seed: int, dev: str, q_len: int = 1) -> dict:
+    """One layer's worth of random inputs / weights / states for a step of B requests of ``q_len`` tokens."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     rn = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
-    T = B
+    T = B * q_len
     packed = rn(T, 4 * HD + FR + H).to(torch.bfloat16).to(dev)
     q, k, v, g_out, f_a, beta = packed.split([HD, HD, HD, HD, FR, H], -1)
     S = B + 2
@@ -66,7 +68,8 @@ def make_copy(B: int, seed: int, dev: str) -> dict:
         conv_state=rn(S, W - 1, 3 * HD).to(torch.bfloat16).to(dev),
         rec_state=(rn(S, H, D, D) * 0.3).to(dev),
         state_indices=torch.randperm(S, generator=g)[:B].to(torch.int32).to(dev),
-        accepted=torch.ones(B, dtype=torch.int32, device=dev),
+        accepted=torch.randint(1, q_len + 1, (B,), generator=g, dtype=torch.int32).to(dev),
+        q_len=q_len,
     )
     c["out"] = torch.empty(T, HD, dtype=torch.bfloat16, device=dev)
     # fla's inputs: contiguous [1, T, H, D] q/k/v/g, [1, T, H] beta (values need not match ours).
@@ -74,28 +77,29 @@ def make_copy(B: int, seed: int, dev: str) -> dict:
         q=rn(1, T, H, D).to(torch.bfloat16).to(dev), k=rn(1, T, H, D).to(torch.bfloat16).to(dev),
         v=rn(1, T, H, D).to(torch.bfloat16).to(dev), g=rn(1, T, H, D).to(torch.bfloat16).to(dev),
         beta=rn(1, T, H).to(torch.bfloat16).to(dev), out=torch.empty(1, T, H, D, dtype=torch.bfloat16, device=dev),
-        cu=torch.arange(T + 1, dtype=torch.int32, device=dev),
+        cu=torch.arange(0, T + 1, q_len, dtype=torch.int32, device=dev),
     )
     return c
 
 
-def copy_bytes(B: int) -> int:
+def copy_bytes(B: int, q: int = 1) -> int:
     S = B + 2
-    return S * H * D * D * 4 + S * (W - 1) * 3 * HD * 2 + HD * FR * 2 + 3 * HD * W * 2 + B * (4 * HD + FR + H) * 2
+    return (S * H * D * D * 4 + S * (W - 1) * 3 * HD * 2 + HD * FR * 2 + 3 * HD * W * 2
+            + B * q * (4 * HD + FR + H) * 2)
 
 
-def moved_bytes(B: int) -> tuple[int, int]:
-    """(state bytes read + written, all bytes that must move) for one decode step."""
+def moved_bytes(B: int, q: int = 1) -> tuple[int, int]:
+    """(state bytes read + written, all bytes that must move) for one step of ``q`` tokens a request."""
     state = 2 * B * H * D * D * 4
     conv = 2 * B * (W - 1) * 3 * HD * 2
-    rest = HD * FR * 2 + 3 * HD * W * 2 + B * (4 * HD + FR + H) * 2 + B * HD * 2
+    rest = HD * FR * 2 + 3 * HD * W * 2 + B * q * (4 * HD + FR + H) * 2 + B * q * HD * 2
     return state, state + conv + rest
 
 
 def run_ours(kt, c, **kw):
     return kt.kda_decode_core(c["q"], c["k"], c["v"], c["f_a"], c["f_b_w"], c["beta"], c["g_out"], c["conv_w"],
                               c["A_log"], c["dt_bias"], c["o_norm_w"], c["conv_state"], c["rec_state"],
-                              c["state_indices"], c["accepted"], 1, LOWER_BOUND, NORM_EPS, out=c["out"], **kw)
+                              c["state_indices"], c["accepted"], c["q_len"], LOWER_BOUND, NORM_EPS, out=c["out"], **kw)
 
 
 def check(kt, c, kw) -> dict:
@@ -110,7 +114,7 @@ def check(kt, c, kw) -> dict:
     g_raw = F.linear(c["f_a"], c["f_b_w"])
     ref = kda_core_ref(c["q"], c["k"], c["v"], g_raw, c["beta"], c["g_out"], c["conv_w"], c["A_log"],
                        c["dt_bias"], c["o_norm_w"], c["conv_state"], c["rec_state"], c["state_indices"],
-                       c["accepted"], 1, LOWER_BOUND, NORM_EPS)
+                       c["accepted"], c["q_len"], LOWER_BOUND, NORM_EPS)
     torch.cuda.synchronize()
     res = dict(
         finite=bool(torch.isfinite(out.float()).all()),
@@ -138,6 +142,7 @@ def main() -> None:
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--q", type=int, default=1, help="tokens a request (verify steps above 1)")
     args = ap.parse_args()
     from dep_compile.ops import kda_triton as kt  # noqa: PLC0415
 
@@ -151,14 +156,14 @@ def main() -> None:
     variants = {n: VARIANTS[n] for n in args.variants.split(",")}
     results = []
     for B in map(int, args.batches.split(",")):
-        n = common.rotation_copies(copy_bytes(B))
-        copies = [make_copy(B, 100 * B + i, "cuda") for i in range(n)]
-        state_b, all_b = moved_bytes(B)
-        row = dict(B=B, copies=n, state_bytes=state_b, all_bytes=all_b,
+        n = common.rotation_copies(copy_bytes(B, args.q))
+        copies = [make_copy(B, 100 * B + i, "cuda", args.q) for i in range(n)]
+        state_b, all_b = moved_bytes(B, args.q)
+        row = dict(B=B, q=args.q, copies=n, state_bytes=state_b, all_bytes=all_b,
                    floor_state_us=common.floor_us(state_b), floor_all_us=common.floor_us(all_b))
         row["check"] = check(kt, copies[0], variants[next(iter(variants))])
         print(f"B={B} copies={n} check={row['check']}", flush=True)
-        steps = common.steps_per_replay(max(3.0, B * 4.0), n)
+        steps = common.steps_per_replay(max(3.0, B * 4.0 * args.q), n)
         for name, kw in variants.items():
             try:
                 t = common.time_graph(lambda i, kw=kw: run_ours(kt, copies[i % n], **kw), steps)
@@ -215,8 +220,9 @@ def main() -> None:
                       kernels[-1]["n_spills"])
     except Exception as e:  # noqa: BLE001
         print("kernel info unavailable:", repr(e))
-    path = common.write_json(os.path.join(args.out, "kda_core.json"), {"results": results, "kernels": kernels})
-    plot(results, os.path.join(args.out, "kda_core.png"))
+    name = "kda_core" if args.q == 1 else f"kda_core_q{args.q}"
+    path = common.write_json(os.path.join(args.out, f"{name}.json"), {"results": results, "kernels": kernels})
+    plot(results, os.path.join(args.out, f"{name}.png"))
     print(common.format_table(headers, rows))
     print("wrote", path)
 
@@ -227,7 +233,7 @@ def plot(results: list[dict], path: str) -> None:
     series = {("fla-core" if n == "fla" else f"kimi_dep {n}"): [r.get(n, {}).get("median_us") for r in results]
               for n in names}
     series["state floor @4.33 TB/s"] = [r["floor_state_us"] for r in results]
-    common.plot_panels(path, [{"title": "KDA decode core (full size, q=1)", "x": [r["B"] for r in results],
+    common.plot_panels(path, [{"title": f"KDA decode core (full size, q={results[0]['q']})", "x": [r["B"] for r in results],
                                "series": series}], xlabel="requests", ylabel="µs per launch",
                        suptitle="kimi_dep Triton KDA core vs fla-core fused_recurrent_kda")
 
