@@ -45,7 +45,10 @@ all layer weights +
 * DSA: index keys read once per request (context x (128 B FP8 + 4 B scale)); the selected
   latents counted per token (min(context, 2048) x 576 x 2 B; the q tokens of one request may
   share them, so this over-counts verify steps at most q-fold on that term); this step's
-  inserts (576 x 2 B latent + 128 B key + 4 B scale per token).
+  inserts (576 x 2 B latent + 128 B key + 4 B scale per token). With an FP8 latent cache a latent row is
+  576 + 4 B (e4m3 values and the token's FP32 scale);
+* MLA (the whole-step floor's K3 layers): each request's whole context of latent rows, read once for its
+  q tokens, and the inserts.
 
 Activations ([T, 7168] in and out) are left out: about 7 MB at 256 tokens. The roofline floor
 (``roofline.layer_roofline``) takes, for the projections and for the core apart, the larger of the bytes
@@ -175,9 +178,12 @@ def traffic_bytes(cfg, kind: str, rows: int, q: int, context: int | None = None)
         recurrent = H * D * D * 4
         conv = (cfg.kda_conv_width - 1) * cfg.kda_conv_dim * 2
         return rows * 2 * (recurrent + conv)
+    row = cfg.latent_dim + 4 if cfg.latent_fp8 else 2 * cfg.latent_dim  # a latent row: FP8 + FP32 scale, or BF16
+    if kind == "mla":  # dense: a request's whole context, read once for its q tokens, and the inserts
+        return rows * context * row + rows * q * row
     keys = rows * context * (cfg.index_head_dim + 4)
-    selected = rows * q * min(context, cfg.index_topk) * cfg.latent_dim * 2
-    inserts = rows * q * (cfg.latent_dim * 2 + cfg.index_head_dim + 4)
+    selected = rows * q * min(context, cfg.index_topk) * row
+    inserts = rows * q * (row + cfg.index_head_dim + 4)
     return keys + selected + inserts
 
 

@@ -458,7 +458,7 @@ def main(argv=None) -> list[dict]:
     model = build_model(cfg, device, local_experts=args.local_experts)
     if args.decisive:
         decisive_routing(model)
-    full = None
+    full, args.link_bps = None, None  # link_bps: bytes/s into a rank over the EP link (DEP on CUDA)
     if ranks > 1:  # DEP: this rank's experts; the unsharded model stays as the parity reference
         full = None if args.no_parity else model
         model = dep_ranks.shard(model, keep_full=not args.no_parity)
@@ -474,7 +474,7 @@ def main(argv=None) -> list[dict]:
     points: list[dict] = []
     meta = dict(memory=memory, preset=cfg.name, layers=args.layers, experts=experts, experts_format=cfg.experts_format,
                 dense_format=cfg.dense_format, local_experts=args.local_experts, ep=ranks, decisive=args.decisive,
-                link_bps=getattr(args, "link_bps", None),
+                link_bps=args.link_bps,
                 command="python benchmarks/bench_decoder.py " + " ".join(sys.argv[1:] if argv is None else argv))
     for q in args.q:
         for ctx in args.context:

@@ -16,6 +16,7 @@ import statistics
 
 import torch
 import torch.distributed as dist
+from common import time_graph
 
 from dep_compile.runtime import ep
 
@@ -106,8 +107,6 @@ def collectives_alone_us(cfg, tokens: int, moe_layers: int, device: torch.device
     if device.type != "cuda":
         step(0)
         return None
-    from common import time_graph
-
     return time_graph(step, 1)["median_us"]
 
 

@@ -85,7 +85,8 @@ def memory(args) -> int:
     hbm = mem.H200_BYTES if args.hbm_gb is None else int(args.hbm_gb * mem.GB)
     reserve = mem.RESERVE_BYTES if args.reserve_gb is None else int(args.reserve_gb * mem.GB)
     try:
-        print(mem.report(PRESETS[args.preset], args.dep, args.context, args.experts, args.dense, hbm, reserve))
+        print(mem.report(PRESETS[args.preset], args.dep, args.context, args.experts, args.dense, hbm, reserve,
+                         tuple(args.latent_cache)))
     except ValueError as e:
         print(f"dep-compile memory: error: {e}", file=sys.stderr)
         return 2
@@ -93,7 +94,7 @@ def memory(args) -> int:
 
 
 def main(argv=None) -> int:
-    from dep_compile.stock.config import DENSE_FORMATS
+    from dep_compile.stock.config import DENSE_FORMATS, LATENT_CACHE_DTYPES
 
     ap = argparse.ArgumentParser(prog="dep-compile", description="The kimi_dep backend's command line "
                                  "(also `python -m dep_compile`).")
@@ -122,6 +123,8 @@ def main(argv=None) -> int:
     mem.add_argument("--experts", nargs="+", choices=("bf16", "mxfp4"), default=["bf16", "mxfp4"])
     mem.add_argument("--dense", nargs="+", choices=DENSE_FORMATS, default=list(DENSE_FORMATS),
                      help="non-expert weights' format: bf16, fp8_block (default: both)")
+    mem.add_argument("--latent-cache", nargs="+", choices=LATENT_CACHE_DTYPES, default=["bfloat16"],
+                     help="MLA / DSA latent cache dtypes to tabulate (default: bfloat16)")
     mem.add_argument("--hbm-gb", type=float, default=None, help="memory per GPU (default: an H200's 150.1)")
     mem.add_argument("--reserve-gb", type=float, default=None, help="not for weights or caches (default: 10)")
     args = ap.parse_args(argv)

@@ -51,6 +51,7 @@ class RankMemory:
     non_expert: int
     experts: int
     cache_per_request: int
+    latent_cache: str = "bfloat16"  # the MLA / DSA latent rows' dtype (K3Config.latent_cache_dtype)
 
     @property
     def weights(self) -> int:
@@ -95,37 +96,42 @@ def rank_memory(cfg: K3Config, dep: int, context: int, dense: str = "bf16") -> R
         raise ValueError(f"DEP {dep} does not divide the {cfg.n_routed_experts} routed experts")
     non_expert, experts = weight_bytes(cfg, dense)
     per_request = sum(cache_bytes(cfg, context).values())
-    return RankMemory(dep, cfg.experts_format, dense, non_expert, experts // dep, per_request)
+    return RankMemory(dep, cfg.experts_format, dense, non_expert, experts // dep, per_request, cfg.latent_cache_dtype)
 
 
 def table(rows: list[RankMemory], usable: int) -> str:
     """A Markdown table of ``rows`` in GB, with how many requests fit in ``usable`` bytes."""
-    lines = ["| DEP | experts | dense | non-expert GB | experts GB / rank | weights GB | left GB | requests |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| DEP | experts | dense | non-expert GB | experts GB / rank | weights GB | left GB | requests | "
+             "latent cache | cache GB / request |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         left = usable - r.weights
         fits = f"{r.requests(usable)}" if left > 0 else "does not fit"
         lines.append(f"| {r.dep} | {r.experts_format} | {r.dense_format} | {r.non_expert / GB:.1f} | "
-                     f"{r.experts / GB:.1f} | {r.weights / GB:.1f} | {left / GB:.1f} | {fits} |")
+                     f"{r.experts / GB:.1f} | {r.weights / GB:.1f} | {left / GB:.1f} | {fits} | {r.latent_cache} | "
+                     f"{r.cache_per_request / GB:.3f} |")
     return "\n".join(lines)
 
 
 def report(cfg: K3Config, deps: list[int], context: int, experts: list[str], dense: list[str], hbm: int,
-           reserve: int) -> str:
-    """The ``memory`` command's text: the model and cache sizes, the table, and which configurations fit."""
+           reserve: int, latent: tuple[str, ...] = ("bfloat16",)) -> str:
+    """The ``memory`` command's text: the model and cache sizes, the table, and which configurations fit
+    (``latent``: the latent cache dtypes to tabulate)."""
     kinds = [cfg.layer_kind(i) for i in range(cfg.num_layers)]
     moe = sum(cfg.is_moe(i) for i in range(cfg.num_layers))
-    caches = cache_bytes(cfg, context)
     usable = hbm - reserve
-    rows = [rank_memory(cfg.replace(experts_format=e), dep, context, d) for dep in deps for e in experts for d in dense]
-    fit = [f"DEP{r.dep} {r.experts_format} experts + {r.dense_format} dense ({r.requests(usable)} requests)"
+    rows = [rank_memory(cfg.replace(experts_format=e, latent_cache_dtype=lat), dep, context, d)
+            for dep in deps for e in experts for d in dense for lat in latent]
+    fit = [f"DEP{r.dep} {r.experts_format} experts + {r.dense_format} dense"
+           + (f" + {r.latent_cache} latent cache" if len(latent) > 1 else "") + f" ({r.requests(usable)} requests)"
            for r in rows if r.requests(usable) > 0]
+    caches = [(lat, cache_bytes(cfg.replace(latent_cache_dtype=lat), context)) for lat in latent]
     return "\n".join([
         f"{cfg.name}: {cfg.num_layers} layers ({kinds.count('kda')} KDA, {kinds.count('mla')} MLA, "
         f"{kinds.count('dsa')} DSA), {moe} MoE layers x {cfg.n_routed_experts} routed experts",
-        f"caches per request at {context} tokens: {caches['kda'] / GB:.3f} GB KDA states + {caches['latent'] / GB:.3f} "
-        f"GB latent ({cfg.latent_cache_dtype}) + {caches['index'] / GB:.3f} GB index keys = "
-        f"{sum(caches.values()) / GB:.3f} GB",
+        *(f"caches per request at {context} tokens: {c['kda'] / GB:.3f} GB KDA states + {c['latent'] / GB:.3f} "
+          f"GB latent ({lat}) + {c['index'] / GB:.3f} GB index keys = {sum(c.values()) / GB:.3f} GB"
+          for lat, c in caches),
         f"HBM {hbm / GB:.1f} GB, usable {usable / GB:.1f} GB (reserve {reserve / GB:.1f} GB); GB = 1e9 bytes",
         "", table(rows, usable), "",
         "fits: " + ("; ".join(fit) if fit else "none of these"),

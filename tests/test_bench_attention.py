@@ -61,6 +61,12 @@ def test_traffic_bytes_by_hand():
     k31 = preset("k31")
     assert ba.traffic_bytes(k31, "kda", 1, 1) == 2 * (96 * 128 * 128 * 4 + 3 * 36864 * 2)
     assert ba.traffic_bytes(k31, "dsa", 1, 1, 4096) == 4096 * 132 + 2048 * 576 * 2 + 576 * 2 + 132
+    # an FP8 latent cache: a row is 576 e4m3 values + the token's FP32 scale, read and inserted
+    k31_fp8 = k31.replace(latent_cache_dtype="float8_e4m3fn")
+    assert ba.traffic_bytes(k31_fp8, "dsa", 1, 1, 4096) == 4096 * 132 + 2048 * 580 + 580 + 132
+    # MLA (K3): the request's whole context read once for its q = 2 tokens, and 2 inserts; no index keys
+    assert ba.traffic_bytes(preset("k3"), "mla", 3, 2, 4096) == 3 * 4096 * 1152 + 3 * 2 * 1152
+    assert ba.traffic_bytes(preset("k3").replace(latent_cache_dtype="float8_e4m3fn"), "mla", 1, 1, 100) == 101 * 580
 
 
 def test_full_size_weight_bytes():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from dep_compile.__main__ import main
-from dep_compile.memory import GB, cache_bytes, rank_memory, weight_bytes
+from dep_compile.memory import GB, H200_BYTES, RESERVE_BYTES, cache_bytes, rank_memory, weight_bytes
 from dep_compile.stock import KimiCache, build_model, preset
 
 # K3's config.json: linear_attn_config.kda_layers (1-based); the other 24 layers are full attention (4, 8, ..., 92, 93)
@@ -74,3 +74,13 @@ def test_memory_command(capsys):
     assert "fits: DEP32 mxfp4 experts + fp8_block dense (" in out and "DEP16" not in out.split("fits:")[1]
     with pytest.raises(SystemExit):
         main(["memory", "--dense", "fp4"])
+    # the latent cache in FP8 (issue #29): 576 + 4 bytes a row instead of 1152, so more requests fit at long context
+    assert main(["memory", "--preset", "k31", "--dep", "32", "--context", "32768", "--experts", "mxfp4", "--dense",
+                 "fp8_block", "--latent-cache", "bfloat16", "float8_e4m3fn"]) == 0
+    out = capsys.readouterr().out
+    bf16, fp8 = (rank_memory(preset("k31", latent_cache_dtype=lat), 32, 32768, "fp8_block")
+                 for lat in ("bfloat16", "float8_e4m3fn"))
+    assert bf16.cache_per_request - fp8.cache_per_request == 24 * 32768 * (1152 - 580)  # 24 DSA layers
+    usable = H200_BYTES - RESERVE_BYTES
+    assert f"| {bf16.requests(usable)} | bfloat16 | 1.459 |" in out and f"| {fp8.requests(usable)} | float8_e4m3fn |" in out
+    assert fp8.requests(usable) > bf16.requests(usable) and "+ float8_e4m3fn latent cache (" in out
