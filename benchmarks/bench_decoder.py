@@ -2,7 +2,7 @@
 
     python benchmarks/bench_decoder.py [--rows 1 64] [--context 4096] [--q 1] [--layers 4]
         [--experts 64 | --local-experts 56] [--modes hand ro] [--sides stock kimi_dep] [--no-parity]
-        [--decisive] [--profile] [--out DIR]
+        [--latent-cache float8_e4m3fn] [--decisive] [--profile] [--out DIR]
     torchrun --nproc-per-node 2 benchmarks/bench_decoder.py ...   # DEP2: each GPU its own requests, half the experts
 
 A full-depth DEP32 rank of K3.1 (all 93 layers, 28 local experts a MoE layer, MXFP4 experts, FP8 dense):
@@ -76,6 +76,7 @@ import dep_compile  # noqa: E402
 from dep_compile.debug.parity import decisive_routing, record_routing, routing_agreement  # noqa: E402
 from dep_compile.stock import KimiCache, RequestBatch, preset  # noqa: E402
 from dep_compile.stock.cache import FP8_REL, cache_differences  # noqa: E402
+from dep_compile.stock.config import LATENT_CACHE_DTYPES  # noqa: E402
 from dep_compile.stock.model import KimiK3ForCausalLM  # noqa: E402
 from dep_compile.stock.moe import EXPERTS  # noqa: E402
 from dep_compile.stock.mxfp4 import random_mxfp4  # noqa: E402
@@ -199,9 +200,11 @@ class Point:
         g = torch.Generator(device=device).manual_seed(seed)
         for lc in self.cache.layers:  # random on the device (KimiCache.allocate's ranges), never zeros
             for name, t in lc.tensors().items():
-                val = torch.empty(t.shape, device=device).normal_(0, 4 if name == "index_cache" else 0.5, generator=g)
-                t.copy_(val.clamp_(-8, 8) if name == "index_cache" else
-                        val.abs_().add_(0.01) if name == "index_scale" else val)
+                fp8 = t.dtype == torch.float8_e4m3fn  # index keys, FP8 latent rows: e4m3 values of std 4
+                val = torch.empty(t.shape, device=device).normal_(0, 4 if fp8 else 0.5, generator=g)
+                t.copy_(val.clamp_(-8, 8) if fp8 else
+                        val.abs_().add_(0.01) if name == "index_scale" else
+                        torch.exp2(val.round().clamp(-1, 1)) / 8 if name == "kv_scale" else val)  # latents of std ~0.5
         self.meta = RequestBatch(self.cache, rows, start_len=context - q, device=device, seed=seed).step(q)
         self.ids = torch.randint(0, cfg.vocab_size, (rows * q,), generator=g, device=device)
 
@@ -416,6 +419,8 @@ def parse_args(argv=None):
                     help="the routed experts' weights (default: the preset's; k3 / k31 ship MXFP4)")
     ap.add_argument("--dense", choices=["bf16", "fp8_block"], default=None,
                     help="dense projections' format (default: the preset's)")
+    ap.add_argument("--latent-cache", choices=LATENT_CACHE_DTYPES, default="bfloat16",
+                    help="MLA / DSA latent cache dtype (float8_e4m3fn: 576 e4m3 values + an FP32 scale a row)")
     ap.add_argument("--local-experts", type=int, default=None,
                     help="EP-rank shape: a router over 896 experts, this many local (e.g. 56 for EP16)")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 64])
@@ -450,7 +455,7 @@ def main(argv=None) -> list[dict]:
                              "--experts themselves")
         device = dep_ranks.init(device)
     experts = 896 if args.local_experts else args.experts
-    cfg = preset(args.preset, num_layers=args.layers, n_routed_experts=experts,
+    cfg = preset(args.preset, num_layers=args.layers, n_routed_experts=experts, latent_cache_dtype=args.latent_cache,
                  **({"experts_format": args.experts_format} if args.experts_format else {}),
                  **({"dense_format": args.dense} if args.dense else {}))
     raise_recompile_limits(4 * len(args.rows) * len(args.q) * len(args.context))
@@ -468,12 +473,13 @@ def main(argv=None) -> list[dict]:
         local = f" (DEP{ranks}: rank {rank} holds {model.model.layers[-1].mlp.experts.num_local}" + (
             f"; link {args.link_bps / 1e9:.0f} GB/s)" if args.link_bps else ")")
     print(f"model: {cfg.name}, {args.layers} layers {[l.kind for l in model.model.layers]}, {experts} "
-          f"{cfg.experts_format} experts{local}, {cfg.dense_format} dense; "
+          f"{cfg.experts_format} experts{local}, {cfg.dense_format} dense, {cfg.latent_cache_dtype} latent cache; "
           f"built in {time.perf_counter() - t0:.1f} s", flush=True)
     memory = memory_check(model, args, device)
     points: list[dict] = []
     meta = dict(memory=memory, preset=cfg.name, layers=args.layers, experts=experts, experts_format=cfg.experts_format,
-                dense_format=cfg.dense_format, local_experts=args.local_experts, ep=ranks, decisive=args.decisive,
+                dense_format=cfg.dense_format, latent_cache=cfg.latent_cache_dtype, local_experts=args.local_experts,
+                ep=ranks, decisive=args.decisive,
                 link_bps=args.link_bps,
                 command="python benchmarks/bench_decoder.py " + " ".join(sys.argv[1:] if argv is None else argv))
     for q in args.q:

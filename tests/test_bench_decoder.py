@@ -31,6 +31,20 @@ def test_smoke_run_writes_every_output(tmp_path):
     assert "| rows |" in (tmp_path / "decoder.md").read_text()
 
 
+def test_fp8_latent_cache_run(tmp_path):
+    """``--latent-cache float8_e4m3fn``: the DSA layer rewritten as its FP8-cache op, exact against eager on the CPU
+    (the caches compared dequantized), and the floor counting a latent row as 32 + 16 e4m3 values + an FP32 scale."""
+    points = bd.main(["--device", "cpu", "--preset", "k31-small", "--layers", "4", "--rows", "2", "--context", "24",
+                      "--block-size", "4", "--sides", "kimi_dep", "--latent-cache", "float8_e4m3fn", "--out",
+                      str(tmp_path)])
+    (p,) = points
+    assert p.get("error") is None and "kimi_dep.dsa_attention_fp8" in p["rewritten"], p
+    assert p["kimi_dep_rel_err"] == 0.0 and p["kimi_dep_cache_err"] == 0.0, p
+    row = 48 + 4
+    assert p["floor_bytes"]["dsa_mla"] == 2 * 24 * (32 + 4) + 2 * 16 * row + 2 * (row + 32 + 4)  # keys, top-16, inserts
+    assert json.loads((tmp_path / "decoder.json").read_text())["latent_cache"] == "float8_e4m3fn"
+
+
 def test_floor_bytes_by_hand():
     cfg = preset("k31-small", num_layers=4)  # KDA+dense, KDA, KDA, DSA; 3 MoE layers of 64 experts
     model = bd.build_model(cfg, "cpu")
