@@ -470,7 +470,8 @@ def main(argv=None) -> list[dict]:
         args.link_bps = dep_ranks.link_bandwidth(device)
     local = f" ({args.local_experts} local)" if args.local_experts else ""
     if ranks > 1:
-        local = f" (DEP{ranks}: rank {rank} holds {model.model.layers[-1].mlp.experts.num_local}" + (
+        held = next(layer.mlp.experts.num_local for layer in model.model.layers if hasattr(layer.mlp, "experts"))
+        local = f" (DEP{ranks}: rank {rank} holds {held}" + (
             f"; link {args.link_bps / 1e9:.0f} GB/s)" if args.link_bps else ")")
     print(f"model: {cfg.name}, {args.layers} layers {[l.kind for l in model.model.layers]}, {experts} "
           f"{cfg.experts_format} experts{local}, {cfg.dense_format} dense, {cfg.latent_cache_dtype} latent cache; "

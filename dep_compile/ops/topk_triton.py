@@ -160,12 +160,12 @@ def _chunk_keys(row, c, N, CHUNK: tl.constexpr):
 @triton.jit
 def _chunk_pass_kernel(x_ptr, hist_ptr, arrived_ptr, st_ptr, N, stride_x, K, C, P: tl.constexpr,
                        CHUNK: tl.constexpr, BITS: tl.constexpr):
-    """Radix pass ``P`` over chunk (program 0) of row (program 1): the chunk's histogram of the digit at
+    """Radix pass ``P`` over chunk (program 1) of row (program 0): the chunk's histogram of the digit at
     ``32 - BITS (P + 1)`` among the entries matching the row's prefix, added to the row's; the last chunk to
     arrive picks the digit of the ``need``-th largest, extends the prefix and zeroes the histogram and the
     arrival count for the next pass. Row state ``st`` [T, 3] int32: prefix (key bits), need, want."""
-    c = tl.program_id(0)
-    t = tl.program_id(1).to(tl.int64)
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
     NBINS: tl.constexpr = 1 << BITS
     SHIFT: tl.constexpr = 32 - BITS * (P + 1)
     bins = tl.arange(0, NBINS)
@@ -182,6 +182,7 @@ def _chunk_pass_kernel(x_ptr, hist_ptr, arrived_ptr, st_ptr, N, stride_x, K, C, 
     hist = _digit_histogram(key, ok, prefix, pmask, SHIFT, NBINS)
     hrow = hist_ptr + t * NBINS + bins
     tl.atomic_add(hrow, hist, mask=hist != 0)
+    tl.debug_barrier()  # every thread's histogram atomics before the program's arrival (Triton 3.6 adds none itself)
     if tl.atomic_add(arrived_ptr + t, 1) == C - 1:  # acq_rel: every chunk's histogram is in
         hist = tl.atomic_xchg(hrow, tl.zeros([NBINS], tl.int32))  # read, and zeroed for the next pass
         if P == 0:
@@ -199,8 +200,8 @@ def _chunk_pass_kernel(x_ptr, hist_ptr, arrived_ptr, st_ptr, N, stride_x, K, C, 
 @triton.jit
 def _chunk_count_kernel(x_ptr, st_ptr, counts_ptr, N, stride_x, C, CHUNK: tl.constexpr):
     """Visible entries of the chunk above the row's threshold and equal to it: ``counts`` [T, C, 2]."""
-    c = tl.program_id(0)
-    t = tl.program_id(1).to(tl.int64)
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
     n, key, ok = _chunk_keys(x_ptr + t * stride_x, c, N, CHUNK)
     thr = tl.load(st_ptr + t * 3).to(tl.uint32, bitcast=True)
     ninf = _sort_key(tl.full([CHUNK], float("-inf"), tl.float32))
@@ -217,8 +218,8 @@ def _chunk_compact_kernel(x_ptr, st_ptr, counts_ptr, out_ptr, bt_ptr, N, stride_
     """The chunk's selected positions (or cache rows), stored after those of the chunks before it: they took
     every entry above the threshold and the first ``need`` equal ones, in position order. The last chunk pads
     the row's tail with -1."""
-    c = tl.program_id(0)
-    t = tl.program_id(1).to(tl.int64)
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
     n, key, ok = _chunk_keys(x_ptr + t * stride_x, c, N, CHUNK)
     thr = tl.load(st_ptr + t * 3).to(tl.uint32, bitcast=True)
     need = tl.load(st_ptr + t * 3 + 1)
@@ -260,7 +261,7 @@ def select_topk_chunked(logits: torch.Tensor, topk: int, *, chunk: int = 4096, b
     arrived = torch.zeros(T, dtype=torch.int32, device=dev)
     st = torch.zeros(T, 3, dtype=torch.int32, device=dev)  # prefix, need, want
     counts = torch.empty(T, C, 2, dtype=torch.int32, device=dev)
-    grid = (C, T)
+    grid = (T, C)  # rows on axis 0 (no 65535 cap)
     for p in range(32 // bits):
         _chunk_pass_kernel[grid](logits, hist, arrived, st, N, logits.stride(0), topk, C, P=p, CHUNK=chunk, BITS=bits,
                                  num_warps=num_warps)
