@@ -178,7 +178,7 @@ def traffic_bytes(cfg, kind: str, rows: int, q: int, context: int | None = None)
         recurrent = H * D * D * 4
         conv = (cfg.kda_conv_width - 1) * cfg.kda_conv_dim * 2
         return rows * 2 * (recurrent + conv)
-    row = cfg.latent_dim + 4 if cfg.latent_fp8 else 2 * cfg.latent_dim  # a latent row: FP8 + FP32 scale, or BF16
+    row = cfg.latent_row_bytes
     if kind == "mla":  # dense: a request's whole context, read once for its q tokens, and the inserts
         return rows * context * row + rows * q * row
     keys = rows * context * (cfg.index_head_dim + 4)

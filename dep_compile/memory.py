@@ -84,9 +84,8 @@ def cache_bytes(cfg: K3Config, context: int) -> dict[str, int]:
     kinds = [cfg.layer_kind(i) for i in range(cfg.num_layers)]
     conv = (cfg.kda_conv_width - 1) * cfg.kda_conv_dim * 2  # BF16 taps
     recurrent = cfg.kda_heads * cfg.kda_head_dim * cfg.kda_head_dim * 4  # FP32 [H, D, D]
-    row = cfg.latent_dim + 4 if cfg.latent_fp8 else 2 * cfg.latent_dim  # FP8 + FP32 scale, or BF16
     return {"kda": kinds.count("kda") * (conv + recurrent),
-            "latent": (len(kinds) - kinds.count("kda")) * context * row,
+            "latent": (len(kinds) - kinds.count("kda")) * context * cfg.latent_row_bytes,
             "index": kinds.count("dsa") * context * (cfg.index_head_dim + 4)}  # FP8 key + FP32 scale
 
 

@@ -146,18 +146,11 @@ def test_dep2_run_across_two_ranks(tmp_path):
     of both sides equal the unsharded model's on each rank's requests up to the cross-rank FP32 sum order (decisive
     routing: the same experts everywhere), the floors count each rank's own share of the experts touched, the
     link bytes are the dispatch's and combine's, and every rank returns the same merged points."""
-    import socket
-
-    import torch.multiprocessing as mp
-
     import dep_workers
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     argv = ["--device", "cpu", "--preset", "k31-small", "--layers", "4", "--rows", "2", "--q", "2", "--context", "24",
             "--block-size", "4", "--decisive"]
-    mp.spawn(dep_workers.bench_decoder_worker, args=(2, port, str(tmp_path), argv), nprocs=2, join=True)
+    dep_workers.run_ranks(dep_workers.bench_decoder_worker, 2, str(tmp_path), argv)
     data = json.loads((tmp_path / "decoder.json").read_text())
     assert data["ep"] == 2 and data["decisive"] and data["memory"]["dep"] == 2, data
     (p,) = data["points"]

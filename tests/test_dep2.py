@@ -4,26 +4,15 @@ equal to one device; bad EP setups fail on every rank with a clear error, not a 
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
-import torch.multiprocessing as mp
 
 import dep_workers
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run(fn, world, *args):
-    mp.spawn(fn, args=(world, _port(), *args), nprocs=world, join=True)
+from dep_workers import run_ranks
 
 
 def test_dep2_gloo_equals_single_device(tmp_path):
-    _run(dep_workers.dep_check_worker, 2, str(tmp_path))
+    run_ranks(dep_workers.dep_check_worker, 2, str(tmp_path))
     for r in range(2):
         res = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert set(res["ops"]) == {"kimi_dep.moe[ep2]"}
@@ -35,7 +24,7 @@ def test_dep2_gloo_equals_single_device(tmp_path):
 @pytest.mark.cuda
 @pytest.mark.multigpu
 def test_dep2_nccl_equals_single_device(tmp_path):
-    _run(dep_workers.dep_check_worker, 2, str(tmp_path), "nccl")
+    run_ranks(dep_workers.dep_check_worker, 2, str(tmp_path), "nccl")
     for r in range(2):
         res = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert set(res["ops"]) == {"kimi_dep.moe[ep2]"}
@@ -43,13 +32,13 @@ def test_dep2_nccl_equals_single_device(tmp_path):
 
 
 def test_ranks_not_dividing_experts_fail_everywhere(tmp_path):
-    _run(dep_workers.bad_setup_worker, 3, str(tmp_path), False)
+    run_ranks(dep_workers.bad_setup_worker, 3, str(tmp_path), False)
     msgs = [(tmp_path / f"rank{r}.txt").read_text() for r in range(3)]
     assert all("3 ranks do not divide 64 experts" in m for m in msgs), msgs
 
 
 def test_mismatched_configs_fail_everywhere(tmp_path):
-    _run(dep_workers.bad_setup_worker, 2, str(tmp_path), True)
+    run_ranks(dep_workers.bad_setup_worker, 2, str(tmp_path), True)
     msgs = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
     assert all("config differs" in m for m in msgs), msgs
 
@@ -58,7 +47,7 @@ def test_ranks_with_different_batches_meet_in_padded_rows(tmp_path):
     """DP ranks whose batches differ in size (vLLM without CUDA graphs): each rank's experts call pads to the
     rows the ranks agreed on, and returns its own rows equal to all experts on one rank (only the cross-rank
     FP32 sum order differs: one BF16 rounding); a call with more rows than agreed fails before any collective."""
-    _run(dep_workers.padded_rows_worker, 2, str(tmp_path))
+    run_ranks(dep_workers.padded_rows_worker, 2, str(tmp_path))
     for r in range(2):
         res = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert res["rows"] == 1 + 5 * r and res["err"] < 2 ** -7, res
@@ -69,7 +58,7 @@ def test_vllm_model_aligns_its_decoder_calls_across_ep_ranks(tmp_path):
     """The vLLM model's DP alignment (``vllm_k3.dp.align_calls``, no vLLM needed): a rank with fewer step groups
     runs a padding call (no output rows), every call's experts rows are the largest rank's, and each call's
     experts then meet across the ranks and equal all experts on one rank."""
-    _run(dep_workers.aligned_calls_worker, 2, str(tmp_path))
+    run_ranks(dep_workers.aligned_calls_worker, 2, str(tmp_path))
     res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert res[0]["calls"] == [["decode", 2, 1, 2, 2], ["padding", 2, 2, 12, 0]], res
     assert res[1]["calls"] == [["decode", 1, 1, 2, 1], ["prefill", 1, 12, 12, 12]], res

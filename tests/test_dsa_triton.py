@@ -360,14 +360,10 @@ def test_select_topk_chunked_mutant_fails():
             return lambda *args, **kw: None
 
     x, vis = topk_rows(300, 16)
-    real = tk._chunk_count_kernel
-    tk._chunk_count_kernel = Skipped()
-    try:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(tk.torch, "empty", torch.zeros)  # the skipped counts read as 0, not as garbage
-            got = tk.select_topk_chunked(x.to(_DEV), 16, chunk=16).cpu()
-    finally:
-        tk._chunk_count_kernel = real
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tk, "_chunk_count_kernel", Skipped())
+        mp.setattr(tk.torch, "empty", torch.zeros)  # the skipped counts read as 0, not as garbage
+        got = tk.select_topk_chunked(x.to(_DEV), 16, chunk=16).cpu()
     with pytest.raises(AssertionError, match="row"):
         check_topk(x, vis, 16, got)
 

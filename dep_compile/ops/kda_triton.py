@@ -222,13 +222,12 @@ def _kda_decode_kernel(
 
         S = S * decay[None, :]
         pred = tl.sum(S * kn[None, :], axis=1)
+        u = beta * (vc - pred)
         if O_FIRST:  # o = (S + u k^T) q = S q + u (k . q): no reduction waits for the update
-            o_pre = tl.sum(S * qn[None, :], axis=1)
-            u = beta * (vc - pred)
+            o = tl.sum(S * qn[None, :], axis=1) + u * tl.sum(kn * qn, axis=0)
             S = S + u[:, None] * kn[None, :]
-            o = o_pre + u * tl.sum(kn * qn, axis=0)
         else:
-            S = S + (beta * (vc - pred))[:, None] * kn[None, :]
+            S = S + u[:, None] * kn[None, :]
             o = tl.sum(S * qn[None, :], axis=1)
         # Commit the state as of `accepted` tokens: exactly one token's store is live. The
         # address is rebuilt from a fresh load of the slot (after a store, so not CSE'd with the

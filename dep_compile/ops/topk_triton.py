@@ -151,10 +151,11 @@ def select_topk_triton(logits: torch.Tensor, topk: int, *, block: int | None = N
 
 @triton.jit
 def _chunk_keys(row, c, N, CHUNK: tl.constexpr):
-    """Chunk ``c`` of a row: (positions [CHUNK], keys, in range)."""
+    """Chunk ``c`` of a row: (positions [CHUNK], keys, in range, visible: in range and above -inf)."""
     n = c * CHUNK + tl.arange(0, CHUNK)
     ok = n < N
-    return n, _sort_key(tl.load(row + n, mask=ok, other=float("-inf"))), ok
+    key = _sort_key(tl.load(row + n, mask=ok, other=float("-inf")))
+    return n, key, ok, ok & (key > _sort_key(tl.full([CHUNK], float("-inf"), tl.float32)))
 
 
 @triton.jit
@@ -169,13 +170,12 @@ def _chunk_pass_kernel(x_ptr, hist_ptr, arrived_ptr, st_ptr, N, stride_x, K, C, 
     NBINS: tl.constexpr = 1 << BITS
     SHIFT: tl.constexpr = 32 - BITS * (P + 1)
     bins = tl.arange(0, NBINS)
-    n, key, ok = _chunk_keys(x_ptr + t * stride_x, c, N, CHUNK)
+    n, key, ok, vis = _chunk_keys(x_ptr + t * stride_x, c, N, CHUNK)
     st = st_ptr + t * 3
     if P == 0:
         prefix = tl.zeros([], tl.uint32)
         pmask = tl.zeros([], tl.uint32)
-        ninf = _sort_key(tl.full([CHUNK], float("-inf"), tl.float32))
-        tl.atomic_add(st + 2, tl.sum((ok & (key > ninf)).to(tl.int32), axis=0))  # visible entries of the row
+        tl.atomic_add(st + 2, tl.sum(vis.to(tl.int32), axis=0))  # visible entries of the row
     else:
         prefix = tl.load(st).to(tl.uint32, bitcast=True)
         pmask = tl.full([], 0xFFFFFFFF, tl.uint32) << (SHIFT + BITS)
@@ -202,10 +202,8 @@ def _chunk_count_kernel(x_ptr, st_ptr, counts_ptr, N, stride_x, C, CHUNK: tl.con
     """Visible entries of the chunk above the row's threshold and equal to it: ``counts`` [T, C, 2]."""
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
-    n, key, ok = _chunk_keys(x_ptr + t * stride_x, c, N, CHUNK)
+    n, key, ok, live = _chunk_keys(x_ptr + t * stride_x, c, N, CHUNK)
     thr = tl.load(st_ptr + t * 3).to(tl.uint32, bitcast=True)
-    ninf = _sort_key(tl.full([CHUNK], float("-inf"), tl.float32))
-    live = ok & (key > ninf)
     out = counts_ptr + (t * C + c) * 2
     tl.store(out, tl.sum((live & (key > thr)).to(tl.int32), axis=0))
     tl.store(out + 1, tl.sum((live & (key == thr)).to(tl.int32), axis=0))
@@ -220,7 +218,7 @@ def _chunk_compact_kernel(x_ptr, st_ptr, counts_ptr, out_ptr, bt_ptr, N, stride_
     the row's tail with -1."""
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
-    n, key, ok = _chunk_keys(x_ptr + t * stride_x, c, N, CHUNK)
+    n, key, ok, vis = _chunk_keys(x_ptr + t * stride_x, c, N, CHUNK)
     thr = tl.load(st_ptr + t * 3).to(tl.uint32, bitcast=True)
     need = tl.load(st_ptr + t * 3 + 1)
     want = tl.load(st_ptr + t * 3 + 2)
@@ -228,8 +226,7 @@ def _chunk_compact_kernel(x_ptr, st_ptr, counts_ptr, out_ptr, bt_ptr, N, stride_
     before = counts_ptr + (t * C + prev) * 2
     gt = tl.sum(tl.load(before, mask=prev < c, other=0), axis=0)
     eq = tl.sum(tl.load(before + 1, mask=prev < c, other=0), axis=0)
-    ninf = _sort_key(tl.full([CHUNK], float("-inf"), tl.float32))
-    live = ok & (key > ninf) & ((tl.zeros([CHUNK], tl.int32) + want) > 0)  # tensor mask (interpreter)
+    live = vis & ((tl.zeros([CHUNK], tl.int32) + want) > 0)  # tensor mask (interpreter)
     out_row = out_ptr + t * stride_out
     _compact_chunk(key, n, live, thr, need, gt + tl.minimum(eq, need), eq, out_row, bt_ptr + (t // Q_LEN) * stride_bt,
                    ROWS, BS)

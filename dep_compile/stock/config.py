@@ -122,6 +122,11 @@ class K3Config:
         return self.kv_lora_rank + self.qk_rope_dim
 
     @property
+    def latent_row_bytes(self) -> int:
+        """Bytes of one cached latent row: e4m3 values + the token's FP32 scale, or BF16 values."""
+        return self.latent_dim + 4 if self.latent_fp8 else 2 * self.latent_dim
+
+    @property
     def mla_gate_width(self) -> int:
         return self.mla_heads * self.v_head_dim
 
