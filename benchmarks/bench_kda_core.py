@@ -46,7 +46,6 @@ VARIANTS = {  # name -> launcher kwargs
     "w4": dict(num_warps=4),
     "w4_fb64": dict(num_warps=4, fb=64),
     "w8": dict(num_warps=8),
-    "w4_ofirst": dict(num_warps=4, o_first=True),
 }
 
 

@@ -234,13 +234,13 @@ def test_kda_decode_core_graph_capture():
     assert torch.equal(c["conv_pool"], conv1) and torch.equal(c["rec_pool"], rec1)
 
 
-@pytest.mark.parametrize("kw", [dict(num_warps=16), dict(fb=64), dict(fb=16), dict(o_first=True)], ids=str)
+@pytest.mark.parametrize("kw", [dict(num_warps=16), dict(fb=64), dict(fb=16)], ids=str)
 @pytest.mark.parametrize("size,B,q_len", [("full", 4, 1), ("full", 16, 2), ("small", 16, 4), ("small_f128", 5, 1)],
                          ids=str)
 def test_kda_decode_core_tuning_knobs(size, B, q_len, kw):
     """Every tuning knob matches the reference within the tolerances: 16 warps (4 is the default),
     F_B chunks of 64 and 16 columns (default 32; ``small_f128`` runs F_B in several chunks in
-    the interpreter too), and the output taken before the state update (``o_first``)."""
+    the interpreter too)."""
     if _DEV == "cpu" and size == "full":
         pytest.skip("full size is slow in the interpreter (the GPU run covers it)")
     kt = _kt()

@@ -142,7 +142,6 @@ def _kda_decode_kernel(
     H: tl.constexpr, D: tl.constexpr, F: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
     Q_LEN: tl.constexpr, ST_V: tl.constexpr, ST_K: tl.constexpr, FB: tl.constexpr,
     GRAW: tl.constexpr = False,  # fa_ptr holds the raw gate [T, H*D] (F_B applied outside), fbw_ptr unused
-    O_FIRST: tl.constexpr = False,  # o from the decayed state before the update (see kda_decode_core)
 ):
     pid = tl.program_id(0)
     b = pid // H
@@ -223,12 +222,8 @@ def _kda_decode_kernel(
         S = S * decay[None, :]
         pred = tl.sum(S * kn[None, :], axis=1)
         u = beta * (vc - pred)
-        if O_FIRST:  # o = (S + u k^T) q = S q + u (k . q): no reduction waits for the update
-            o = tl.sum(S * qn[None, :], axis=1) + u * tl.sum(kn * qn, axis=0)
-            S = S + u[:, None] * kn[None, :]
-        else:
-            S = S + u[:, None] * kn[None, :]
-            o = tl.sum(S * qn[None, :], axis=1)
+        S = S + u[:, None] * kn[None, :]
+        o = tl.sum(S * qn[None, :], axis=1)
         # Commit the state as of `accepted` tokens: exactly one token's store is live. The
         # address is rebuilt from a fresh load of the slot (after a store, so not CSE'd with the
         # first one) so that 64-bit pointers of the whole tile do not stay live in registers.
@@ -299,7 +294,7 @@ def kda_decode_unsupported(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_b
 
 def kda_decode_core(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_bias, o_norm_w, conv_state, rec_state,
                     state_indices, accepted, q_len: int, lower_bound: float, norm_eps: float, *,
-                    num_warps: int = 4, fb: int = 32, maxnreg: int | None = None, o_first: bool = False,
+                    num_warps: int = 4, fb: int = 32, maxnreg: int | None = None,
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """The KDA core of one decode / verify step in one launch; mutates ``conv_state`` and ``rec_state``.
 
@@ -316,10 +311,8 @@ def kda_decode_core(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_bias, o_
     faster than 8; the head's 128 x 128 FP32 state is then 128 registers a thread); ``fb``
     columns of ``f_b_w`` per step of the F_B mat-vec, a power of two (32: 1-3 % faster than
     64 at decode, 1-64 requests, on Triton 3.6; verify steps too);
-    ``maxnreg`` an optional register cap (more programs per SM, at the price of spills); ``o_first``: each
-    token's output as ``S q + u (k . q)`` from the decayed state ``S`` and the update ``u``, instead of ``S' q``
-    after the update, so its reduction runs beside the prediction's rather than after the update (the same
-    state to the bit, the output within FP32 rounding; not yet timed: ``bench_kda_core.py --q 4``).
+    ``maxnreg`` an optional register cap (more programs per SM, at the price of spills). The output taken
+    before the update (``S q + u (k . q)``) was 1.3-1.5x slower at q = 4 (docs/perf_kda.md) and is gone.
     """
     T, HD = q.shape
     H = beta.shape[-1]
@@ -343,7 +336,7 @@ def kda_decode_core(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_bias, o_
         out.stride(0),
         float(lower_bound), float(norm_eps),
         H=H, D=D, F=F, W=W, WP=triton.next_power_of_2(W), Q_LEN=int(q_len),
-        ST_V=rec_state.stride(2), ST_K=rec_state.stride(3), FB=min(F, fb), GRAW=graw, O_FIRST=bool(o_first),
+        ST_V=rec_state.stride(2), ST_K=rec_state.stride(3), FB=min(F, fb), GRAW=graw,
         num_warps=num_warps,
         **({"maxnreg": int(maxnreg)} if maxnreg else {}),
     )
