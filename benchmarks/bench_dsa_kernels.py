@@ -75,8 +75,9 @@ def sweep(name: str, configs: list[dict], fn, nbytes: float, T: int, ctx: int, r
     return rows
 
 
-def sweep_point(dt, T: int, ctx: int, kernels: set[str]) -> list[dict]:
-    """The sweeps of ``kernels`` at one (tokens, context) point (its tensors freed on return)."""
+def sweep_point(dt, T: int, ctx: int, kernels: set[str], quick: bool = False) -> list[dict]:
+    """The sweeps of ``kernels`` at one (tokens, context) point (its tensors freed on return); ``quick``: top-k
+    defaults and two chunk sizes only (each one-program config compiles for long at 128K)."""
     c = make_case(T, ctx)
     key_bytes = T * ctx * (DI + 4)
     logits_fn = lambda **k: dt.index_logits(c["q_idx"], c["weights"], c["index_cache"], c["index_scale"],  # noqa: E731
@@ -94,16 +95,16 @@ def sweep_point(dt, T: int, ctx: int, kernels: set[str]) -> list[dict]:
         results += sweep("topk_torch", [{}], topk_torch, T * ctx * 4, T, ctx)
         # 4096-entry chunks re-read every pass, or the whole row held in registers (block >= row)
         resident = max(4096, 1 << (ctx - 1).bit_length())
-        configs = [dict(block=b, num_warps=w, bits=bits) for b in sorted({4096, resident}) for w in (8, 16, 32)
-                   for bits in (4, 8)]
+        configs = [{}] if quick else [dict(block=b, num_warps=w, bits=bits) for b in sorted({4096, resident})
+                                      for w in (8, 16, 32) for bits in (4, 8)]
         for cfg in configs:  # every variant selects the same entries
             assert torch.equal(dt.select_topk_triton(logits, TOPK, **cfg), topk), f"top-k {cfg} disagrees"
         results += sweep("topk_triton", configs, lambda **k: dt.select_topk_triton(logits, TOPK, **k), T * ctx * 4,
                          T, ctx)
         from dep_compile.ops.topk_triton import select_topk_chunked  # noqa: PLC0415 - CUDA only
 
-        chunked = [dict(chunk=c, num_warps=w, bits=bits) for c in (1024, 2048, 4096, 8192) for w in (4, 8, 16)
-                   for bits in (4, 8) if c // (32 * w) >= 1]
+        chunked = [dict(chunk=c, num_warps=w, bits=bits) for c in ((2048, 4096) if quick else (1024, 2048, 4096, 8192))
+                   for w in ((8,) if quick else (4, 8, 16)) for bits in ((8,) if quick else (4, 8)) if c // (32 * w) >= 1]
         for cfg in chunked:  # many programs a row: the same entries
             assert torch.equal(select_topk_chunked(logits, TOPK, **cfg), topk), f"chunked top-k {cfg} disagrees"
         results += sweep("topk_chunked", chunked, lambda **k: select_topk_chunked(logits, TOPK, **k), T * ctx * 4,
@@ -164,12 +165,13 @@ def main() -> None:
     ap.add_argument("--kernels", nargs="+", default=["index_logits", "topk", "sparse_mla", "per_head"],
                     choices=["index_logits", "topk", "sparse_mla", "per_head"])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--quick", action="store_true", help="top-k: the defaults and two chunk sizes only")
     args = ap.parse_args()
     from dep_compile.ops import dsa_triton as dt  # noqa: PLC0415 - CUDA only
 
     results = []
     for T, ctx in itertools.product(args.tokens, args.context):
-        results += sweep_point(dt, T, ctx, set(args.kernels))
+        results += sweep_point(dt, T, ctx, set(args.kernels), args.quick)
         torch.cuda.empty_cache()
     if "per_head" in args.kernels:
         for T in args.tokens:
