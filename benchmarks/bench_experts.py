@@ -55,14 +55,14 @@ SWEEP = [  # run 1 (docs/perf_experts.md) also timed w8 and k256 variants: slowe
 ]
 
 
-MXFP4_TACTICS = [  # beside the default (DEFAULT_MXFP4_TACTIC: 256-input steps, PTX dequantizer); 2026-12-02
-    ExpertsTactic(),  # Triton integer ops into a whole tile, 128-input steps: 0.67-0.77 TB/s
-    ExpertsTactic(ptx_dequant=True),  # 128-input steps: 0.88-1.11 TB/s
-    ExpertsTactic(block_k=512, num_stages=2, ptx_dequant=True),  # 0.80-1.02 TB/s
-    # 8 warps ran 0.52-0.64 TB/s; an even/odd tiling (low / high nibble half tiles, each a dot with the even /
-    # odd inputs; since removed) 0.2-0.6 TB/s
-    # the next step's codes and scales loaded to registers ahead of the dots (a register double buffer instead of
-    # Triton's pipeliner; removed): GEMM1 at 1 token 195-1572 µs against the default's 161 (ncu, 2026-12-02)
+MXFP4_TACTICS = [  # beside the default (DEFAULT_MXFP4_TACTIC: the re-packed copy, 128-input steps, 168 registers)
+    ExpertsTactic(block_k=256, num_stages=3, ptx_dequant=True),  # the checkpoint's layout (the fallback)
+    ExpertsTactic(block_k=256, num_stages=3, ptx_dequant=True, tiles=True),
+    ExpertsTactic(block_k=128, num_stages=4, ptx_dequant=True, tiles=True, maxnreg=128),
+    # measured on the H200: the checkpoint's layout (2026-12-02): Triton integer dequant, 128-input steps 0.67-0.77
+    # TB/s; PTX, 128-input steps 0.88-1.11; PTX, 512-input steps 0.80-1.02; 8 warps 0.52-0.64; an even/odd tiling
+    # 0.2-0.6; a register double buffer slower than Triton's pipeliner (GEMM1 at 1 token 195-1572 µs against 161).
+    # The re-packed copy (2026-12-03): 256-input steps with 2 stages and 128 registers 1.64-2.17 TB/s
 ]
 
 

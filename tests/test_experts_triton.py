@@ -243,6 +243,7 @@ def test_moe_op_matches_stock_layer():
 # ---- MXFP4 experts (K3's format): dequantized in registers --------------------------------------------
 
 SMALL_MX = dict(lat=96, inter=64, E=12, K=4)  # widths divisible by the MXFP4 group (32)
+SMALL_TILES = dict(lat=128, inter=64, E=12, K=4)  # widths divisible by the tiles (64 rows x 64 inputs)
 
 
 def _mx_case(T, *, lat, inter, E, K, E_total=None, ids=None, seed=0):
@@ -315,6 +316,65 @@ def test_mxfp4_check_fails_on_a_kernel_reading_another_experts_scales():
     assert float((got - ref).abs().max()) > 2 ** -6 * float(ref.abs().max())
 
 
+def _tiles_tactic(et, size, ptx=True):
+    """The re-packed MXFP4 path: the small case's 32 x 32 tiles, or the default MXFP4 tactic's; ``ptx``: the
+    PTX dequantizer on CUDA (the interpreter runs its integer twin)."""
+    import dataclasses
+
+    if size == "small":  # 64-row tiles, as at full size: 32 would run another MMA than the BF16 kernels' on the GPU
+        return et.ExpertsTactic(block_n1=64, block_n2=64, block_k=64, num_warps=4, num_stages=2, ptx_dequant=ptx,
+                                tiles=True)
+    return dataclasses.replace(et.DEFAULT_MXFP4_TACTIC, ptx_dequant=ptx, tiles=True)
+
+
+@device_test
+@pytest.mark.parametrize("ptx", [True, False], ids=["ptx", "integer"])
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("T", [1, 16, 70])
+def test_mxfp4_tiles_match_the_bf16_kernels_on_dequantized_weights(size, T, ptx):
+    """Experts re-packed into the MMA's operand order (ops/mxfp4_tiles.py): bit-equal to the BF16 kernels on the
+    dequantized weights under the same tiles (70 tokens: the crowded loop), and no fallback taken."""
+    from dep_compile.ops import fallbacks
+
+    if ptx and _DEV == "cpu":
+        pytest.skip("the interpreter runs the integer dequantizer only (the 'integer' case)")
+    et = _et()
+    sh = SMALL_TILES if size == "small" else dict(FULL, E=64)
+    before = set(fallbacks.LOGGED)
+    _check_mx(et, _mx_case(T, **sh, seed=60 + T), 0, _tiles_tactic(et, size, ptx))
+    assert not {k for k in fallbacks.LOGGED - before if "tiles" in k}, fallbacks.LOGGED - before
+
+
+@device_test
+def test_mxfp4_tiles_check_fails_on_swapped_rows():
+    """The tiles check can fail: a copy whose rows n and n + 8 trade bytes misses the reference by far."""
+    from dep_compile.ops import mxfp4_tiles
+
+    et = _et()
+    x, w13, w2, w, ids = _mx_case(16, **SMALL_TILES, seed=61)
+    tactic = _tiles_tactic(et, "small")
+    tiles = mxfp4_tiles.cached_tiles(w13, tactic.block_n1, tactic.block_k)
+    words = tiles.words.clone()
+    tiles.words.copy_(((words >> 16) & 0xFFFF) | (words << 16))  # bytes 0-1 (row n) <-> 2-3 (row n + 8)
+    got = et.routed_experts_triton(x, w13, w2, w, ids, 0, BETA, BETA_LIN, tactic=tactic)
+    tiles.words.copy_(words)
+    ref = routed_experts_partial(x, w13.dequantize(), w2.dequantize(), w, ids, 0, BETA, BETA_LIN)
+    assert float((got - ref).abs().max()) > 2 ** -6 * float(ref.abs().max())
+
+
+def test_mxfp4_tiles_refuse_what_they_cannot_hold():
+    """tile_mxfp4 names why: rows that do not tile, a scale above 2^1 (its folded scale is no normal BF16)."""
+    from dep_compile.ops.mxfp4_tiles import tile_mxfp4
+    from dep_compile.stock.mxfp4 import Mxfp4Weight, random_mxfp4
+
+    w = Mxfp4Weight(*random_mxfp4((2, 96, 64), torch.Generator().manual_seed(62), 0.05))
+    with pytest.raises(ValueError, match="does not tile"):
+        tile_mxfp4(w, 64, 32)
+    big = Mxfp4Weight(w.packed, w.scale.clone().index_fill_(-1, torch.tensor([1]), 129))
+    with pytest.raises(ValueError, match="scale above"):
+        tile_mxfp4(big, 32, 32)
+
+
 @device_test
 def test_stock_dequantizes_the_touched_experts_exactly():
     """The stock CUDA path's Triton dequantizer: each touched expert bit-equal to the reference; untouched
@@ -344,7 +404,7 @@ def test_mxfp4_full_size(E, T, ptx):
     et = _et()
     start, total = (3 * 56, 896) if E == 56 else (0, 64)
     tokens = T if E == 64 else 16 * T
-    tactic = dataclasses.replace(et.DEFAULT_MXFP4_TACTIC, ptx_dequant=ptx)
+    tactic = dataclasses.replace(et.DEFAULT_MXFP4_TACTIC, ptx_dequant=ptx, tiles=False)  # the checkpoint's layout
     _check_mx(et, _mx_case(tokens, **FULL, E=E, E_total=total, seed=T + E + 40), start, tactic)
 
 

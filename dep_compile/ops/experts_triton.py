@@ -41,6 +41,7 @@ from ..stock.mxfp4 import Mxfp4Weight
 from ..stock.mxfp4_cuda import e2m1_bf16, e8m0_bf16
 from .fallbacks import log_fallback
 from .moe_triton import situ_fp32
+from .mxfp4_tiles import cached_tiles
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _SMEM_BYTES = 225 * 1024
@@ -59,16 +60,20 @@ class ExpertsTactic:
     block_m: int | None = None
     ptx_dequant: bool = False  # MXFP4 on CUDA: dequantize with _DEQUANT_PTX (two values an instruction) instead of
                                # Triton integer ops (the interpreter always runs the latter)
+    tiles: bool = False  # MXFP4: read a copy re-packed in the MMA's operand order (ops/mxfp4_tiles.py), made once
+    maxnreg: int | None = None  # registers a thread of the two GEMMs (None: the compiler's choice, up to 255)
 
     def __str__(self) -> str:
         return (f"n{self.block_n1}/{self.block_n2}k{self.block_k}w{self.num_warps}s{self.num_stages}m{self.block_m}"
-                + ("ptx" if self.ptx_dequant else ""))
+                + ("ptx" if self.ptx_dequant else "") + ("tiles" if self.tiles else "")
+                + (f"r{self.maxnreg}" if self.maxnreg else ""))
 
 
 DEFAULT_TACTIC = ExpertsTactic()
-# MXFP4: 256-input steps, the PTX dequantizer. Measured on the H200 (docs/perf_experts.md, 2026-12-02): 1.08-1.34 TB/s
-# of codes and scales at 1-1024 routed rows, 1.1-1.4x the 128-input step and 1.6-1.7x Triton integer dequantizing
-DEFAULT_MXFP4_TACTIC = ExpertsTactic(block_k=256, num_stages=3, ptx_dequant=True)
+# MXFP4: the copy re-packed in MMA order, 128-input steps, the PTX dequantizer, 168 registers (three programs an SM).
+# Measured on the H200 (docs/perf.md, 2026-12-03): 1.84-2.29 TB/s of codes and scales at 1-1024 routed rows, 1.6-1.75x
+# the checkpoint's layout (256-input steps: 1.08-1.34 TB/s)
+DEFAULT_MXFP4_TACTIC = ExpertsTactic(block_k=128, num_stages=4, ptx_dequant=True, tiles=True, maxnreg=168)
 
 
 def experts_block_m(tokens: int) -> int:
@@ -90,10 +95,11 @@ def _pipeline(block_n: int, block_m: int, big_m: int, tactic: ExpertsTactic, mxf
     return dict(STAGES=stages, BIG_STAGES=big, num_stages=stages)
 
 
-def _codes_ptx(src: str, out: str, scale: str) -> str:
-    """PTX: the codes at bits 12-15 of both BF16 lanes of ``src`` -> their weights in ``out`` (times ``scale``)."""
+def _codes_ptx(src: str, out: str, scale: str, folded: bool = False) -> str:
+    """PTX: the codes at bits 12-15 of both BF16 lanes of ``src`` -> their weights in ``out``: times 2^126, then
+    ``scale`` (or ``folded``: times ``scale`` = 2^126 x the group's scale, one FMA)."""
     return (f"and.b32 a, {src}, 0x80008000;\nshr.b32 b, {src}, 6;\nand.b32 b, b, 0x01C001C0;\nor.b32 a, a, b;\n"
-            f"fma.rn.bf16x2 a, a, c126, nz;\nfma.rn.bf16x2 {out}, a, {scale}, nz;\n")
+            + ("" if folded else "fma.rn.bf16x2 a, a, c126, nz;\n") + f"fma.rn.bf16x2 {out}, a, {scale}, nz;\n")
 
 
 # Four code bytes (eight E2M1 codes, the low nibble first) and their scales 2^(s - 127) (BF16, two a register)
@@ -109,17 +115,66 @@ _DEQUANT_PTX = tl.constexpr(
     + _codes_ptx("t0", "$0", "$5") + _codes_ptx("t1", "$1", "$6") + "}\n")
 
 
+# One re-packed word (ops/mxfp4_tiles.py) and its rows' folded scales 2^(s - 1) (BF16 in both lanes: row n, row
+# n + 8) -> the MMA's four BF16x2 operand registers: the low nibbles of bytes 0-1 (row n) and 2-3 (row n + 8),
+# then the high nibbles. As _DEQUANT_PTX, with 2^126 folded into the scale.
+_WORD_PTX = tl.constexpr(
+    "{\n.reg .b32 z, nz, t0, t1, a, b;\nmov.b32 z, 0;\nmov.b32 nz, 0x80008000;\n"
+    "prmt.b32 t0, $4, z, 0x1404;\nprmt.b32 t1, $4, z, 0x3424;\n"
+    + _codes_ptx("t0", "$2", "$5", True) + _codes_ptx("t1", "$3", "$6", True)
+    + "shl.b32 t0, t0, 4;\nshl.b32 t1, t1, 4;\n"
+    + _codes_ptx("t0", "$0", "$5", True) + _codes_ptx("t1", "$1", "$6", True) + "}\n")
+
+
+@triton.jit
+def _code_pair(word, shift_a, shift_b, s):
+    """Integer twin of one _WORD_PTX output: the codes at bits ``shift_a`` / ``shift_b`` of ``word`` times
+    2^(s - 127) (``s`` the stored s + 126, minus 126), as the BF16x2 bits (int32) of (low, high) lane."""
+    scale = e8m0_bf16(s - 126).to(tl.float32)
+    a = (e2m1_bf16((word >> shift_a) & 15).to(tl.float32) * scale).to(tl.bfloat16).to(tl.int16, bitcast=True)
+    b = (e2m1_bf16((word >> shift_b) & 15).to(tl.float32) * scale).to(tl.bfloat16).to(tl.int16, bitcast=True)
+    return (a.to(tl.int32) & 0xFFFF) | (b.to(tl.int32) << 16)
+
+
+@triton.jit
+def _word_tile(w_ptrs, s_ptrs, k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PTX: tl.constexpr):
+    """The BF16 weight tile [BLOCK_N, BLOCK_K] at inputs k .. k + BLOCK_K from re-packed words ``w_ptrs``
+    [2 BLOCK_N, BLOCK_K / 16] and scale pairs ``s_ptrs`` [2 BLOCK_N, BLOCK_K / 32] (one per thread quad), both
+    of the program's first tile (ops/mxfp4_tiles.py gives the order)."""
+    J: tl.constexpr = BLOCK_K // 16
+    TR: tl.constexpr = 2 * BLOCK_N
+    wd = tl.load(w_ptrs + (k // BLOCK_K) * (TR * J), eviction_policy="evict_first")  # int32 [TR, J]
+    sc = tl.load(s_ptrs + (k // BLOCK_K) * (BLOCK_N * J // 4), eviction_policy="evict_first").to(tl.int32)
+    sn = tl.broadcast_to((sc & 0xFF)[:, :, None], (TR, J // 2, 2)).reshape(TR, J)  # row n: s + 126
+    s8 = tl.broadcast_to(((sc >> 8) & 0xFF)[:, :, None], (TR, J // 2, 2)).reshape(TR, J)  # row n + 8
+    if PTX:
+        o0, o1, o2, o3 = tl.inline_asm_elementwise(_WORD_PTX, "=r,=r,=r,=r,r,r,r", [wd, sn * 0x00800080, s8 * 0x00800080],
+                                                   dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    else:
+        o0 = _code_pair(wd, 0, 8, sn)
+        o1 = _code_pair(wd, 16, 24, s8)
+        o2 = _code_pair(wd, 4, 12, sn)
+        o3 = _code_pair(wd, 20, 28, s8)
+    z = tl.join(tl.join(o0, o2), tl.join(o1, o3))  # [TR, J, 2 (half), 2 (h)]: the operand's register order
+    v = tl.join((z & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True),
+                (z >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True))  # [TR, J, half, h, 2 (lane)]
+    v = v.reshape(BLOCK_N // 16, 8, 4, J, 2, 2, 2).permute(0, 5, 1, 3, 4, 2, 6)  # w, h, g, j, half, q, lane
+    return v.reshape(BLOCK_N, BLOCK_K)  # row 16 w + 8 h + g, input 16 j + 8 half + 2 q + lane
+
+
 @triton.jit
 def _weight_tile(w_ptrs, s_ptrs, k, K: tl.constexpr, MXFP4: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, PTX: tl.constexpr):
+                 BLOCK_K: tl.constexpr, PTX: tl.constexpr, TILES: tl.constexpr):
     """The BF16 weight tile [BLOCK_N, BLOCK_K] at inputs k .. k + BLOCK_K, zero past K.
 
     BF16: loaded (``w_ptrs`` [BLOCK_N, BLOCK_K] at input 0). MXFP4: dequantized in registers, exactly,
     from ``w_ptrs`` [BLOCK_N, BLOCK_K / 2] code bytes (input 2j in the low nibble) and ``s_ptrs``
-    [BLOCK_N, BLOCK_K / 32] E8M0 scales (2^(s - 127)); the tile is then the one the BF16 path would load
-    from the dequantized weight.
+    [BLOCK_N, BLOCK_K / 32] E8M0 scales (2^(s - 127)), or with ``TILES`` from the re-packed copy
+    (``_word_tile``); the tile is then the one the BF16 path would load from the dequantized weight.
     """
-    if MXFP4:
+    if TILES:
+        w = _word_tile(w_ptrs, s_ptrs, k, BLOCK_N, BLOCK_K, PTX)
+    elif MXFP4:
         if K % BLOCK_K == 0:
             p = tl.load(w_ptrs + k // 2, eviction_policy="evict_first")
             s = tl.load(s_ptrs + k // 32, eviction_policy="evict_first")
@@ -159,10 +214,17 @@ def _dot(w, a, acc, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _weight_ptrs(w_ptr, s_ptr, e, rn, stride_we, stride_wn, stride_se, stride_sn, MXFP4: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
-    """Pointers of expert ``e``'s rows ``rn`` at input 0: (weights, scales) as ``_weight_tile`` reads them."""
-    if MXFP4:
+def _weight_ptrs(w_ptr, s_ptr, e, rn, pid_n, stride_we, stride_wn, stride_se, stride_sn, MXFP4: tl.constexpr,
+                 TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Pointers of expert ``e``'s rows ``rn`` at input 0: (weights, scales) as ``_weight_tile`` reads them
+    (``TILES``: of the re-packed row tile ``pid_n``, whose stride is ``stride_wn`` / ``stride_sn``)."""
+    if TILES:
+        tr = tl.arange(0, 2 * BLOCK_N)  # thread rows (w, g, q)
+        w = (w_ptr + e.to(tl.int64) * stride_we + pid_n * stride_wn + tr[:, None] * (BLOCK_K // 16)
+             + tl.arange(0, BLOCK_K // 16)[None, :])
+        s = (s_ptr + e.to(tl.int64) * stride_se + pid_n * stride_sn + (tr // 4)[:, None] * (BLOCK_K // 32)
+             + tl.arange(0, BLOCK_K // 32)[None, :])
+    elif MXFP4:
         w = w_ptr + e.to(tl.int64) * stride_we + rn[:, None] * stride_wn + tl.arange(0, BLOCK_K // 2)[None, :]
         s = s_ptr + e.to(tl.int64) * stride_se + rn[:, None] * stride_sn + tl.arange(0, BLOCK_K // 32)[None, :]
     else:
@@ -201,7 +263,7 @@ def _count_kernel(ids_ptr, counts_ptr, offsets_ptr, order_ptr, row_of_ptr, P, ex
 def _gemm1_pass(x_ptr, wg_base, wu_base, sg_base, su_base, act_ptr, order_ptr, off, c, m0, offs_n, offs_k,
                 stride_x, K_TOP, beta, beta_lin, LAT: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, MXFP4: tl.constexpr,
-                PTX: tl.constexpr, INTERPRET: tl.constexpr):
+                PTX: tl.constexpr, TILES: tl.constexpr, INTERPRET: tl.constexpr):
     """Rows m0 .. m0 + BLOCK_M of one expert: gate/up tile GEMM, BF16 rounding, SiTU, BF16 store."""
     rm = m0 + tl.arange(0, BLOCK_M)
     mmask = rm < c
@@ -215,8 +277,8 @@ def _gemm1_pass(x_ptr, wg_base, wu_base, sg_base, su_base, act_ptr, order_ptr, o
             xt = tl.load(x_ptrs + k, mask=mmask[:, None], other=0.0)
         else:
             xt = tl.load(x_ptrs + k, mask=mmask[:, None] & ((k + offs_k) < LAT)[None, :], other=0.0)
-        acc_g = _dot(_weight_tile(wg_base, sg_base, k, LAT, MXFP4, BLOCK_N, BLOCK_K, PTX), xt, acc_g, INTERPRET)
-        acc_u = _dot(_weight_tile(wu_base, su_base, k, LAT, MXFP4, BLOCK_N, BLOCK_K, PTX), xt, acc_u, INTERPRET)
+        acc_g = _dot(_weight_tile(wg_base, sg_base, k, LAT, MXFP4, BLOCK_N, BLOCK_K, PTX, TILES), xt, acc_g, INTERPRET)
+        acc_u = _dot(_weight_tile(wu_base, su_base, k, LAT, MXFP4, BLOCK_N, BLOCK_K, PTX, TILES), xt, acc_u, INTERPRET)
     g = acc_g.to(tl.bfloat16).to(tl.float32)  # the grouped GEMM's BF16 output
     u = acc_u.to(tl.bfloat16).to(tl.float32)
     a = situ_fp32(g, u, beta, beta_lin)  # of the BF16-rounded gate and up: stock's numerics
@@ -234,7 +296,7 @@ def _gemm1_kernel(
     stride_x, stride_we, stride_wn, stride_se, stride_sn, K_TOP, beta, beta_lin,
     LAT: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BIG_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, BIG_STAGES: tl.constexpr,
-    MXFP4: tl.constexpr, PTX: tl.constexpr, INTERPRET: tl.constexpr,
+    MXFP4: tl.constexpr, PTX: tl.constexpr, TILES: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """act[rows of expert e, n-tile] = SiTU(x[tokens] @ w13[e] gate / up tiles^T), BF16."""
     pid_n = tl.program_id(0)
@@ -244,25 +306,27 @@ def _gemm1_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rn = tl.minimum(offs_n, INTER - 1).to(tl.int64)  # ragged last tile re-reads valid rows
     offs_k = tl.arange(0, BLOCK_K)
-    wg_base, sg_base = _weight_ptrs(w13_ptr, s13_ptr, e, rn, stride_we, stride_wn, stride_se, stride_sn, MXFP4,
-                                    BLOCK_K)
-    wu_base = wg_base + INTER * stride_wn
-    su_base = sg_base + INTER * stride_sn
+    wg_base, sg_base = _weight_ptrs(w13_ptr, s13_ptr, e, rn, pid_n, stride_we, stride_wn, stride_se, stride_sn, MXFP4,
+                                    TILES, BLOCK_N, BLOCK_K)
+    UP: tl.constexpr = INTER // BLOCK_N if TILES else INTER  # the up half: rows (or row tiles) after the gate's
+    wu_base = wg_base + UP * stride_wn
+    su_base = sg_base + UP * stride_sn
     if c > BLOCK_M:  # a crowded expert: BIG_M rows a pass
         for m0 in range(0, c, BIG_M):
             _gemm1_pass(x_ptr, wg_base, wu_base, sg_base, su_base, act_ptr, order_ptr, off, c, m0, offs_n, offs_k,
                         stride_x, K_TOP, beta, beta_lin, LAT, INTER, BIG_M, BLOCK_N, BLOCK_K, BIG_STAGES, MXFP4, PTX,
-                        INTERPRET)
+                        TILES, INTERPRET)
     elif c > 0:  # one pass
         _gemm1_pass(x_ptr, wg_base, wu_base, sg_base, su_base, act_ptr, order_ptr, off, c, 0, offs_n, offs_k,
                     stride_x, K_TOP, beta, beta_lin, LAT, INTER, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MXFP4, PTX,
-                    INTERPRET)
+                    TILES, INTERPRET)
 
 
 @triton.jit
 def _gemm2_pass(act_ptr, w_base, s_base, tw_ptr, ys_ptr, order_ptr, off, c, m0, offs_n, offs_k, LAT: tl.constexpr,
                 INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                STAGES: tl.constexpr, MXFP4: tl.constexpr, PTX: tl.constexpr, INTERPRET: tl.constexpr):
+                STAGES: tl.constexpr, MXFP4: tl.constexpr, PTX: tl.constexpr, TILES: tl.constexpr,
+                INTERPRET: tl.constexpr):
     """Rows m0 .. m0 + BLOCK_M of one expert: w2 tile GEMM in FP32, times the routing weight, FP32 store."""
     rm = m0 + tl.arange(0, BLOCK_M)
     mmask = rm < c
@@ -274,7 +338,7 @@ def _gemm2_pass(act_ptr, w_base, s_base, tw_ptr, ys_ptr, order_ptr, off, c, m0, 
             at = tl.load(a_ptrs + k, mask=mmask[:, None], other=0.0)
         else:
             at = tl.load(a_ptrs + k, mask=mmask[:, None] & ((k + offs_k) < INTER)[None, :], other=0.0)
-        acc = _dot(_weight_tile(w_base, s_base, k, INTER, MXFP4, BLOCK_N, BLOCK_K, PTX), at, acc, INTERPRET)
+        acc = _dot(_weight_tile(w_base, s_base, k, INTER, MXFP4, BLOCK_N, BLOCK_K, PTX, TILES), at, acc, INTERPRET)
     pair = tl.load(order_ptr + off + rm, mask=mmask, other=0)
     wgt = tl.load(tw_ptr + pair, mask=mmask, other=0.0).to(tl.float32)
     out = ys_ptr + rows[None, :] * LAT + offs_n[:, None]
@@ -292,7 +356,7 @@ def _gemm2_kernel(
     stride_we, stride_wn, stride_se, stride_sn,
     LAT: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BIG_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, BIG_STAGES: tl.constexpr,
-    MXFP4: tl.constexpr, PTX: tl.constexpr, INTERPRET: tl.constexpr,
+    MXFP4: tl.constexpr, PTX: tl.constexpr, TILES: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """ys[rows of expert e, n-tile] = routing weight * (act[rows] @ w2[e] tile^T), FP32."""
     pid_n = tl.program_id(0)
@@ -302,14 +366,15 @@ def _gemm2_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rn = tl.minimum(offs_n, LAT - 1).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
-    w_base, s_base = _weight_ptrs(w2_ptr, s2_ptr, e, rn, stride_we, stride_wn, stride_se, stride_sn, MXFP4, BLOCK_K)
+    w_base, s_base = _weight_ptrs(w2_ptr, s2_ptr, e, rn, pid_n, stride_we, stride_wn, stride_se, stride_sn, MXFP4,
+                                  TILES, BLOCK_N, BLOCK_K)
     if c > BLOCK_M:
         for m0 in range(0, c, BIG_M):
             _gemm2_pass(act_ptr, w_base, s_base, tw_ptr, ys_ptr, order_ptr, off, c, m0, offs_n, offs_k, LAT, INTER,
-                        BIG_M, BLOCK_N, BLOCK_K, BIG_STAGES, MXFP4, PTX, INTERPRET)
+                        BIG_M, BLOCK_N, BLOCK_K, BIG_STAGES, MXFP4, PTX, TILES, INTERPRET)
     elif c > 0:
         _gemm2_pass(act_ptr, w_base, s_base, tw_ptr, ys_ptr, order_ptr, off, c, 0, offs_n, offs_k, LAT, INTER,
-                    BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MXFP4, PTX, INTERPRET)
+                    BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MXFP4, PTX, TILES, INTERPRET)
 
 
 @triton.jit(do_not_specialize=["expert_start", "E"])
@@ -342,6 +407,18 @@ def _tensors(w) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """(values or codes, scales, MXFP4?) of an experts weight: a BF16 tensor, or an ``Mxfp4Weight``
     (BF16: the tensor twice; the kernels do not read the second)."""
     return (w.packed, w.scale, True) if isinstance(w, Mxfp4Weight) else (w, w, False)
+
+
+def _tiled(w13: Mxfp4Weight, w2: Mxfp4Weight, tactic: ExpertsTactic):
+    """((words, scales) of w13, of w2) re-packed for ``tactic``'s tiles, or None where they cannot be (logged once:
+    the kernels then read the checkpoint's layout)."""
+    t13 = cached_tiles(w13, tactic.block_n1, tactic.block_k)
+    t2 = cached_tiles(w2, tactic.block_n2, tactic.block_k)
+    why = next((t for t in (t13, t2) if isinstance(t, str)), None)
+    if why is None:
+        return (t13.words, t13.scales), (t2.words, t2.scales)
+    log_fallback("moe", f"MXFP4 tiles: {why}", "the MXFP4 kernels on the checkpoint's layout")
+    return None
 
 
 def unsupported(x, w13, w2, topk_weights, topk_ids, tactic: ExpertsTactic = DEFAULT_TACTIC) -> str | None:
@@ -406,6 +483,9 @@ def routed_experts_triton(
         return out.zero_()
     w13_t, s13, mxfp4 = _tensors(w13)
     w2_t, s2, _ = _tensors(w2)
+    tiled = _tiled(w13, w2, tactic) if mxfp4 and tactic.tiles else None
+    if tiled:
+        (w13_t, s13), (w2_t, s2) = tiled  # [E, N tiles, K tiles, ...]: stride(1) steps a row tile
     ids = topk_ids.contiguous().view(-1)  # [P]
     tw = topk_weights.contiguous().view(-1)  # [P]
     counts = torch.empty(E, dtype=torch.int32, device=dev)
@@ -420,7 +500,8 @@ def routed_experts_triton(
     bm = tactic.block_m or experts_block_m(T)
     big = max(bm, BIG_M)
     common = dict(LAT=lat, INTER=inter, BLOCK_M=bm, BIG_M=big, BLOCK_K=tactic.block_k, MXFP4=mxfp4,
-                  PTX=mxfp4 and tactic.ptx_dequant and not _INTERPRET, INTERPRET=_INTERPRET, num_warps=tactic.num_warps)
+                  PTX=mxfp4 and tactic.ptx_dequant and not _INTERPRET, TILES=bool(tiled), INTERPRET=_INTERPRET,
+                  num_warps=tactic.num_warps, **({"maxnreg": tactic.maxnreg} if tactic.maxnreg else {}))
     _gemm1_kernel[(triton.cdiv(inter, tactic.block_n1), E)](
         x, w13_t, s13, act, counts, offsets, order, x.stride(0), w13_t.stride(0), w13_t.stride(1), s13.stride(0),
         s13.stride(1), K, float(beta), float(beta_lin), BLOCK_N=tactic.block_n1,

@@ -1,0 +1,110 @@
+"""MXFP4 experts re-packed once into the order the experts kernel's MMA reads: a thread's codes in one word.
+
+The checkpoint stores an expert weight ``[N, K]`` as ``packed [N, K/2]`` (input 2j in a byte's low nibble) and
+``scale [N, K/32]`` (E8M0). Dequantized in registers straight from that layout, a thread of the Hopper MMA needs
+two single bytes every 16 inputs of two rows; the compiler moves them into place byte by byte (docs/perf.md,
+"Routed experts, MXFP4"). ``tile_mxfp4`` re-packs a copy tile by tile (``block_n`` rows x ``block_k`` inputs,
+``block_n / 16`` warps of 16 rows): thread ``(w, g, q)`` (warp, lane / 4, lane % 4) of a tile holds rows
+``n = 16 w + g`` and ``n + 8``; for each 16 inputs ``j`` it needs the 8 values at inputs ``16 j + 2 q + {0, 1}``
+and ``+ 8``, which become one int32 word:
+
+    byte 0: row n,     input 16j+2q   (low nibble) and 16j+2q+8 (high nibble)
+    byte 1: row n,     input 16j+2q+1 and 16j+2q+9
+    byte 2: row n + 8, input 16j+2q   and 16j+2q+8
+    byte 3: row n + 8, input 16j+2q+1 and 16j+2q+9
+
+so the word's low nibbles are the BF16 pairs of the MMA's first two operand registers, its high nibbles those
+of the last two. Words are stored ``[E, N / block_n, K / block_k, 2 block_n (w, g, q), block_k / 16]``: a
+thread's words of one tile are contiguous (16-byte loads).
+
+Scales are stored per thread quad: ``[E, N / block_n, K / block_k, block_n / 2 (w, g), block_k / 32]`` int16,
+the low byte for row n and the high byte for row n + 8, each ``s + 126`` (the BF16 exponent of 2^(s - 1)): the
+kernel multiplies the code's bits placed as ``value x 2^-126`` by 2^(s - 1) in one BF16 FMA, exact while
+s <= 128 (scales up to 2^1; every real or drawn checkpoint's are far below). Same bytes as the checkpoint's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..stock.mxfp4 import GROUP, Mxfp4Weight, group_size
+
+SCALE_MAX = 128  # largest E8M0 code whose 2^(s - 1) is a normal BF16 (the folded scale)
+RESERVE_BYTES = 4 << 30  # GPU memory a re-packed copy must leave free (the step's activations, caches, graphs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Mxfp4Tiles:
+    """An MXFP4 experts weight ``[E, N, K]`` re-packed by ``tile_mxfp4`` for ``block_n`` x ``block_k`` tiles."""
+
+    words: torch.Tensor  # int32 [E, N / block_n, K / block_k, 2 block_n, block_k / 16]
+    scales: torch.Tensor  # int16 [E, N / block_n, K / block_k, block_n / 2, block_k / 32]
+    shape: torch.Size  # the logical [E, N, K]
+    block_n: int
+    block_k: int
+
+
+def untileable(w: Mxfp4Weight, block_n: int, block_k: int) -> str | None:
+    """Why ``w`` cannot be re-packed into ``block_n`` x ``block_k`` tiles (None when it can)."""
+    E, N, K = w.shape
+    if w.packed.dtype != torch.uint8 or w.scale.dtype != torch.uint8 or group_size(w.packed, w.scale) != GROUP:
+        return "not uint8 codes with E8M0 scales per 32 inputs"
+    if block_n % 16 or block_k % 32 or N % block_n or K % block_k:
+        return f"[{N}, {K}] does not tile into {block_n} x {block_k} (rows a multiple of 16, inputs of 32)"
+    if int(w.scale.max()) > SCALE_MAX:
+        return f"a scale above 2^{SCALE_MAX - 127} (the folded scale 2^(s - 1) would not be a normal BF16)"
+    return None
+
+
+def tile_mxfp4(w: Mxfp4Weight, block_n: int, block_k: int) -> Mxfp4Tiles:
+    """Re-pack ``w`` (codes and E8M0 scales, ``[E, N, K]``) for the experts kernel's ``block_n`` x ``block_k``
+    tiles, one expert at a time (the temporaries stay a few times one expert's codes); raises ValueError where
+    ``untileable`` says why."""
+    why = untileable(w, block_n, block_k)
+    if why:
+        raise ValueError(f"tile_mxfp4: {why}")
+    E, N, K = w.shape
+    nt, kt, wn, jn, groups = N // block_n, K // block_k, block_n // 16, block_k // 16, block_k // GROUP
+    words = torch.empty(E, nt, kt, 2 * block_n, jn, dtype=torch.int32, device=w.packed.device)
+    scales = torch.empty(E, nt, kt, block_n // 2, groups, dtype=torch.int16, device=w.packed.device)
+    for e in range(E):
+        p = w.packed[e]
+        codes = torch.stack([p & 15, p >> 4], -1).reshape(N, K)  # one code a byte, input order
+        # n = t block_n + 16 w + 8 h + g; k = kt block_k + 16 j + 8 half + 2 q + lane
+        c = codes.reshape(nt, wn, 2, 8, kt, jn, 2, 4, 2)  # t, w, h, g, kt, j, half, q, lane
+        c = c.permute(0, 4, 1, 3, 7, 5, 2, 8, 6)  # t, kt, w, g, q, j, h, lane, half
+        byte = (c[..., 0] | (c[..., 1] << 4)).reshape(nt, kt, 2 * block_n, jn, 4)  # bytes (h, lane) of a word
+        words[e] = byte.contiguous().view(torch.int32).squeeze(-1)  # little-endian: byte 0 lowest
+        s = (w.scale[e].to(torch.int16) + 126).reshape(nt, wn, 2, 8, kt, groups)  # t, w, h, g, kt, G
+        scales[e] = (s[:, :, 0] | (s[:, :, 1] << 8)).permute(0, 3, 1, 2, 4).reshape(nt, kt, block_n // 2, groups)
+    return Mxfp4Tiles(words, scales, w.shape, block_n, block_k)
+
+
+def cached_tiles(w: Mxfp4Weight, block_n: int, block_k: int) -> Mxfp4Tiles | str:
+    """``tile_mxfp4(w, ...)`` made once per weight and kept on the tensor that owns its codes (a view's base: it
+    lives as long as the parameter, and views made per call find it), remade when the codes or scales change in
+    place; or why not (also kept: the scale check reads the device once). Never made inside CUDA-graph capture,
+    nor where it would leave less than ``RESERVE_BYTES`` of GPU memory free (the copy doubles the experts' bytes:
+    docs/mxfp4.md)."""
+    owner = w.packed if w.packed._base is None else w.packed._base
+    key = (w.packed.storage_offset(), tuple(w.packed.shape), w.packed.stride(), w.scale.data_ptr(),
+           tuple(w.scale.shape), w.scale.stride(), block_n, block_k)
+    stamp = (w.packed._version, w.scale._version)
+    kept = owner.__dict__.setdefault("_dep_mxfp4_tiles", {})
+    hit = kept.get(key)
+    if hit is not None and hit[0] == stamp:
+        return hit[1]
+    if w.packed.is_cuda and torch.cuda.is_current_stream_capturing():
+        return "no re-packed copy yet, and none can be made inside CUDA-graph capture"
+    size = w.packed.nbytes + w.scale.nbytes
+    if w.packed.is_cuda and torch.cuda.mem_get_info(w.packed.device)[0] < size + RESERVE_BYTES:
+        tiles = f"a re-packed copy ({size / 2**30:.2f} GiB) would leave less than {RESERVE_BYTES >> 30} GiB free"
+    else:
+        try:
+            tiles = tile_mxfp4(w, block_n, block_k)
+        except ValueError as e:
+            tiles = str(e)
+    kept[key] = (stamp, tiles)
+    return tiles
