@@ -29,6 +29,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 import torch
 
 from dep_compile.debug.parity import rel_err  # noqa: F401  (relative Frobenius error, used by every benchmark)
+from dep_compile.ops.fallbacks import LOGGED
 
 HBM_PRACTICAL_BPS = 4.33e12
 """Practical read ceiling (bytes/s): a streaming read on the H200 (Triton load-only, torch.sum)."""
@@ -243,13 +244,16 @@ def stock_kernels() -> dict[str, object]:
 
 
 def write_json(path: str, payload: Mapping[str, object], *, with_env: bool = True) -> str:
-    """Write ``payload`` (plus ``env``: :func:`env_info`, and ``stock_kernels``: :func:`stock_kernels`)
-    as indented JSON; returns the path."""
+    """Write ``payload`` (plus ``env``: :func:`env_info`, ``stock_kernels``: :func:`stock_kernels`, and
+    ``kimi_dep_fallbacks``: every kimi_dep kernel fallback logged in this process, with its reason) as indented
+    JSON; returns the path."""
     data = dict(payload)
     if with_env and "env" not in data:
         data["env"] = env_info()
     if with_env and "stock_kernels" not in data:
         data["stock_kernels"] = stock_kernels()
+    if with_env:
+        data["kimi_dep_fallbacks"] = sorted(LOGGED)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(data, f, indent=1, default=str)
