@@ -71,8 +71,8 @@ class ExpertsTactic:
 
 DEFAULT_TACTIC = ExpertsTactic()
 # MXFP4: the copy re-packed in MMA order, 128-input steps, the PTX dequantizer, 168 registers (three programs an SM).
-# Measured on the H200 (docs/perf.md, 2026-12-03): 1.84-2.29 TB/s of codes and scales at 1-1024 routed rows, 1.6-1.75x
-# the checkpoint's layout (256-input steps: 1.08-1.34 TB/s)
+# Measured on the H200 (docs/perf.md, 2026-12-03, nibble words): 1.83-2.23 TB/s of codes and scales at 1-1024 routed
+# rows, 1.59-1.79x the checkpoint's layout (256-input steps: 1.08-1.34 TB/s)
 DEFAULT_MXFP4_TACTIC = ExpertsTactic(block_k=128, num_stages=4, ptx_dequant=True, tiles=True, maxnreg=168)
 
 
