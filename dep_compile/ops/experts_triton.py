@@ -2,7 +2,8 @@
 
 Same contract as ``stock.grouped_experts.routed_experts_grouped``: FP32 ``[T, Lat]``, the
 weighted sum of each token's local experts; ids outside ``expert_start .. + E`` add nothing.
-Four launches, no host sync, no sort in torch, static grids (CUDA-graph capturable):
+Four launches, no host sync, no sort in torch, static grids (CUDA-graph capturable; MXFP4 on CUDA reads a
+copy re-packed in MMA order, ``ops/mxfp4_tiles.py``, whose first call per weight syncs and allocates):
 
 1. ``_count_kernel`` (grid ``E``): program ``e`` scans the ``P = T*K`` ids twice; it counts the
    valid pairs of experts below ``e`` (its row offset) and its own pairs, then writes its pair
@@ -412,9 +413,13 @@ def _tensors(w) -> tuple[torch.Tensor, torch.Tensor, bool]:
 def _tiled(w13: Mxfp4Weight, w2: Mxfp4Weight, tactic: ExpertsTactic):
     """((words, scales) of w13, of w2) re-packed for ``tactic``'s tiles, or None where they cannot be (logged once:
     the kernels then read the checkpoint's layout)."""
-    t13 = cached_tiles(w13, tactic.block_n1, tactic.block_k)
-    t2 = cached_tiles(w2, tactic.block_n2, tactic.block_k)
-    why = next((t for t in (t13, t2) if isinstance(t, str)), None)
+    inter = w13.shape[1] // 2
+    if inter % tactic.block_n1:
+        why = f"the up half starts inside a {tactic.block_n1}-row tile ({inter} gate rows)"
+    else:
+        t13 = cached_tiles(w13, tactic.block_n1, tactic.block_k, spare=w2.packed.nbytes + w2.scale.nbytes)
+        t2 = cached_tiles(w2, tactic.block_n2, tactic.block_k)
+        why = next((t for t in (t13, t2) if isinstance(t, str)), None)
     if why is None:
         return (t13.words, t13.scales), (t2.words, t2.scales)
     log_fallback("moe", f"MXFP4 tiles: {why}", "the MXFP4 kernels on the checkpoint's layout")

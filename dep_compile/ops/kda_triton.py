@@ -312,7 +312,7 @@ def kda_decode_core(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_bias, o_
     columns of ``f_b_w`` per step of the F_B mat-vec, a power of two (32: 1-3 % faster than
     64 at decode, 1-64 requests, on Triton 3.6; verify steps too);
     ``maxnreg`` an optional register cap (more programs per SM, at the price of spills). The output taken
-    before the update (``S q + u (k . q)``) was 1.3-1.5x slower at q = 4 (docs/perf_kda.md) and is gone.
+    before the update (``S q + u (k . q)``) was 1.29-1.35x slower at q = 4 (docs/perf_kda.md) and is gone.
     """
     T, HD = q.shape
     H = beta.shape[-1]

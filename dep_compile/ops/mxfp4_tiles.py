@@ -26,6 +26,7 @@ s <= 128 (scales up to 2^1; every real or drawn checkpoint's are far below). Sam
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import torch
 
@@ -58,17 +59,21 @@ def untileable(w: Mxfp4Weight, block_n: int, block_k: int) -> str | None:
     return None
 
 
-def tile_mxfp4(w: Mxfp4Weight, block_n: int, block_k: int) -> Mxfp4Tiles:
+def tile_mxfp4(w: Mxfp4Weight, block_n: int, block_k: int, out: Mxfp4Tiles | None = None) -> Mxfp4Tiles:
     """Re-pack ``w`` (codes and E8M0 scales, ``[E, N, K]``) for the experts kernel's ``block_n`` x ``block_k``
-    tiles, one expert at a time (the temporaries stay a few times one expert's codes); raises ValueError where
-    ``untileable`` says why."""
+    tiles, one expert at a time (the temporaries stay a few times one expert's codes), into ``out`` if given (its
+    buffers keep their addresses); raises ValueError where ``untileable`` says why."""
     why = untileable(w, block_n, block_k)
     if why:
         raise ValueError(f"tile_mxfp4: {why}")
     E, N, K = w.shape
     nt, kt, wn, jn, groups = N // block_n, K // block_k, block_n // 16, block_k // 16, block_k // GROUP
-    words = torch.empty(E, nt, kt, 2 * block_n, jn, dtype=torch.int32, device=w.packed.device)
-    scales = torch.empty(E, nt, kt, block_n // 2, groups, dtype=torch.int16, device=w.packed.device)
+    if out is None:
+        out = Mxfp4Tiles(torch.empty(E, nt, kt, 2 * block_n, jn, dtype=torch.int32, device=w.packed.device),
+                         torch.empty(E, nt, kt, block_n // 2, groups, dtype=torch.int16, device=w.packed.device),
+                         w.shape, block_n, block_k)
+    elif (out.shape, out.block_n, out.block_k) != (w.shape, block_n, block_k):
+        raise ValueError(f"tile_mxfp4: out holds {tuple(out.shape)} in {out.block_n} x {out.block_k} tiles")
     for e in range(E):
         p = w.packed[e]
         codes = torch.stack([p & 15, p >> 4], -1).reshape(N, K)  # one code a byte, input order
@@ -76,35 +81,43 @@ def tile_mxfp4(w: Mxfp4Weight, block_n: int, block_k: int) -> Mxfp4Tiles:
         c = codes.reshape(nt, wn, 2, 8, kt, jn, 2, 4, 2)  # t, w, h, g, kt, j, half, q, lane
         c = c.permute(0, 4, 1, 3, 7, 5, 2, 8, 6)  # t, kt, w, g, q, j, h, lane, half
         byte = (c[..., 0] | (c[..., 1] << 4)).reshape(nt, kt, 2 * block_n, jn, 4)  # bytes (h, lane) of a word
-        words[e] = byte.contiguous().view(torch.int32).squeeze(-1)  # little-endian: byte 0 lowest
+        out.words[e] = byte.contiguous().view(torch.int32).squeeze(-1)  # little-endian: byte 0 lowest
         s = (w.scale[e].to(torch.int16) + 126).reshape(nt, wn, 2, 8, kt, groups)  # t, w, h, g, kt, G
-        scales[e] = (s[:, :, 0] | (s[:, :, 1] << 8)).permute(0, 3, 1, 2, 4).reshape(nt, kt, block_n // 2, groups)
-    return Mxfp4Tiles(words, scales, w.shape, block_n, block_k)
+        out.scales[e] = (s[:, :, 0] | (s[:, :, 1] << 8)).permute(0, 3, 1, 2, 4).reshape(nt, kt, block_n // 2, groups)
+    return out
 
 
-def cached_tiles(w: Mxfp4Weight, block_n: int, block_k: int) -> Mxfp4Tiles | str:
-    """``tile_mxfp4(w, ...)`` made once per weight and kept on the tensor that owns its codes (a view's base: it
-    lives as long as the parameter, and views made per call find it), remade when the codes or scales change in
-    place; or why not (also kept: the scale check reads the device once). Never made inside CUDA-graph capture,
-    nor where it would leave less than ``RESERVE_BYTES`` of GPU memory free (the copy doubles the experts' bytes:
-    docs/mxfp4.md)."""
-    owner = w.packed if w.packed._base is None else w.packed._base
-    key = (w.packed.storage_offset(), tuple(w.packed.shape), w.packed.stride(), w.scale.data_ptr(),
-           tuple(w.scale.shape), w.scale.stride(), block_n, block_k)
-    stamp = (w.packed._version, w.scale._version)
-    kept = owner.__dict__.setdefault("_dep_mxfp4_tiles", {})
-    hit = kept.get(key)
-    if hit is not None and hit[0] == stamp:
-        return hit[1]
+def _owner(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage ``t`` views (``t`` itself if it is no view)."""
+    return t if t._base is None else t._base
+
+
+def cached_tiles(w: Mxfp4Weight, block_n: int, block_k: int, spare: int = 0) -> Mxfp4Tiles | str:
+    """``tile_mxfp4(w, ...)``, made once and kept on the tensor that owns the codes (a view's base: it lives as long
+    as the parameter, and views made per call find it); or why not.
+
+    Re-packed again, into the same buffers (graphs captured on them then read the new weights once an eager call
+    has run), when the codes or scales change: in place (the version counter), or swapped (``param.data = ...``,
+    another scale tensor). Writes through ``.data`` bypass the version counter and are not seen. Never made inside
+    CUDA-graph capture, nor where it would leave less than ``RESERVE_BYTES`` + ``spare`` bytes of GPU memory free
+    (the copy doubles the experts' bytes: docs/mxfp4.md). A cache miss reads the device (the scale check): the
+    first call on a weight syncs and allocates."""
+    slot = (w.packed.storage_offset(), tuple(w.packed.shape), w.packed.stride(), block_n, block_k)
+    source = (w.packed.data_ptr(), w.scale.data_ptr(), tuple(w.scale.shape), w.scale.stride(), w.packed._version,
+              w.scale._version)
+    kept = _owner(w.packed).__dict__.setdefault("_dep_mxfp4_tiles", {})
+    hit = kept.get(slot)
+    if hit is not None and hit[0] == source and hit[1]() is _owner(w.scale):
+        return hit[2]
     if w.packed.is_cuda and torch.cuda.is_current_stream_capturing():
         return "no re-packed copy yet, and none can be made inside CUDA-graph capture"
+    reuse = hit[2] if hit is not None and isinstance(hit[2], Mxfp4Tiles) else None
     size = w.packed.nbytes + w.scale.nbytes
-    if w.packed.is_cuda and torch.cuda.mem_get_info(w.packed.device)[0] < size + RESERVE_BYTES:
-        tiles = f"a re-packed copy ({size / 2**30:.2f} GiB) would leave less than {RESERVE_BYTES >> 30} GiB free"
-    else:
-        try:
-            tiles = tile_mxfp4(w, block_n, block_k)
-        except ValueError as e:
-            tiles = str(e)
-    kept[key] = (stamp, tiles)
+    if reuse is None and w.packed.is_cuda and torch.cuda.mem_get_info(w.packed.device)[0] < size + RESERVE_BYTES + spare:
+        return f"a re-packed copy ({size / 2**30:.2f} GiB) would leave less than {RESERVE_BYTES >> 30} GiB free"
+    try:
+        tiles = tile_mxfp4(w, block_n, block_k, out=reuse)
+    except ValueError as e:
+        tiles = str(e)
+    kept[slot] = (source, weakref.ref(_owner(w.scale)), tiles)
     return tiles
