@@ -103,28 +103,27 @@ def _codes_ptx(src: str, out: str, scale: str, folded: bool = False) -> str:
             + ("" if folded else "fma.rn.bf16x2 a, a, c126, nz;\n") + f"fma.rn.bf16x2 {out}, a, {scale}, nz;\n")
 
 
-# Four code bytes (eight E2M1 codes, the low nibble first) and their scales 2^(s - 127) (BF16, two a register)
-# -> the four low-nibble and the four high-nibble values (BF16, two a register). prmt puts byte i's code pair
-# at bits 8-15 of BF16 lane i; a code's sign and three magnitude bits then move to the lane's sign, lowest two
-# exponent bits and first mantissa bit (2^(e - 127) * 1.m, or the subnormal m * 2^-127 for e = 0), times 2^126
-# gives the E2M1 value, times the scale the weight: exact (BF16 FMAs keep subnormals; -0 added keeps -0).
-_DEQUANT_PTX = tl.constexpr(
-    "{\n.reg .b32 z, nz, c126, t0, t1, a, b;\nmov.b32 z, 0;\nmov.b32 nz, 0x80008000;\nmov.b32 c126, 0x7E807E80;\n"
-    "prmt.b32 t0, $4, z, 0x1404;\nprmt.b32 t1, $4, z, 0x3424;\n"  # [0, b0, 0, b1], [0, b2, 0, b3]: high nibbles first
-    + _codes_ptx("t0", "$2", "$5") + _codes_ptx("t1", "$3", "$6")
-    + "shl.b32 t0, t0, 4;\nshl.b32 t1, t1, 4;\n"  # then the low nibbles
-    + _codes_ptx("t0", "$0", "$5") + _codes_ptx("t1", "$1", "$6") + "}\n")
+def _bytes_ptx(folded: bool) -> str:
+    """PTX: four code bytes ($4, eight E2M1 codes) and two BF16x2 scales ($5 for bytes 0-1, $6 for bytes 2-3) ->
+    the low-nibble values of bytes 0-1 and 2-3 ($0, $1), then the high-nibble ones ($2, $3), BF16 two a register.
+
+    prmt puts byte i's code pair at bits 8-15 of BF16 lane i; a code's sign and three magnitude bits then move to
+    the lane's sign, lowest two exponent bits and first mantissa bit (2^(e - 127) * 1.m, or the subnormal
+    m * 2^-127 for e = 0), times 2^126 the E2M1 value, times the scale the weight: exact (BF16 FMAs keep
+    subnormals; -0 added keeps -0). ``folded``: the scales already hold the 2^126 (one FMA a register)."""
+    return ("{\n.reg .b32 z, nz, " + ("" if folded else "c126, ") + "t0, t1, a, b;\nmov.b32 z, 0;\n"
+            "mov.b32 nz, 0x80008000;\n" + ("" if folded else "mov.b32 c126, 0x7E807E80;\n")
+            + "prmt.b32 t0, $4, z, 0x1404;\nprmt.b32 t1, $4, z, 0x3424;\n"  # [0, b0, 0, b1], [0, b2, 0, b3]
+            + _codes_ptx("t0", "$2", "$5", folded) + _codes_ptx("t1", "$3", "$6", folded)  # high nibbles first
+            + "shl.b32 t0, t0, 4;\nshl.b32 t1, t1, 4;\n"  # then the low nibbles
+            + _codes_ptx("t0", "$0", "$5", folded) + _codes_ptx("t1", "$1", "$6", folded) + "}\n")
 
 
-# One re-packed word (ops/mxfp4_tiles.py) and its rows' folded scales 2^(s - 1) (BF16 in both lanes: row n, row
-# n + 8) -> the MMA's four BF16x2 operand registers: the low nibbles of bytes 0-1 (row n) and 2-3 (row n + 8),
-# then the high nibbles. As _DEQUANT_PTX, with 2^126 folded into the scale.
-_WORD_PTX = tl.constexpr(
-    "{\n.reg .b32 z, nz, t0, t1, a, b;\nmov.b32 z, 0;\nmov.b32 nz, 0x80008000;\n"
-    "prmt.b32 t0, $4, z, 0x1404;\nprmt.b32 t1, $4, z, 0x3424;\n"
-    + _codes_ptx("t0", "$2", "$5", True) + _codes_ptx("t1", "$3", "$6", True)
-    + "shl.b32 t0, t0, 4;\nshl.b32 t1, t1, 4;\n"
-    + _codes_ptx("t0", "$0", "$5", True) + _codes_ptx("t1", "$1", "$6", True) + "}\n")
+# The checkpoint's layout: scales 2^(s - 127) of the bytes' rows.
+_DEQUANT_PTX = tl.constexpr(_bytes_ptx(folded=False))
+# One re-packed word (ops/mxfp4_tiles.py) and its rows' folded scales 2^(s - 1) (row n, row n + 8) -> the MMA's
+# four BF16x2 operand registers: bytes 0-1 are row n, bytes 2-3 row n + 8.
+_WORD_PTX = tl.constexpr(_bytes_ptx(folded=True))
 
 
 @triton.jit

@@ -42,9 +42,6 @@ class Mxfp4Tiles:
 
     words: torch.Tensor  # int32 [E, N / block_n, K / block_k, 2 block_n, block_k / 16]
     scales: torch.Tensor  # int16 [E, N / block_n, K / block_k, block_n / 2, block_k / 32]
-    shape: torch.Size  # the logical [E, N, K]
-    block_n: int
-    block_k: int
 
 
 def untileable(w: Mxfp4Weight, block_n: int, block_k: int) -> str | None:
@@ -68,12 +65,13 @@ def tile_mxfp4(w: Mxfp4Weight, block_n: int, block_k: int, out: Mxfp4Tiles | Non
         raise ValueError(f"tile_mxfp4: {why}")
     E, N, K = w.shape
     nt, kt, wn, jn, groups = N // block_n, K // block_k, block_n // 16, block_k // 16, block_k // GROUP
+    shapes = ((E, nt, kt, 2 * block_n, jn), (E, nt, kt, block_n // 2, groups))  # words, scales
     if out is None:
-        out = Mxfp4Tiles(torch.empty(E, nt, kt, 2 * block_n, jn, dtype=torch.int32, device=w.packed.device),
-                         torch.empty(E, nt, kt, block_n // 2, groups, dtype=torch.int16, device=w.packed.device),
-                         w.shape, block_n, block_k)
-    elif (out.shape, out.block_n, out.block_k) != (w.shape, block_n, block_k):
-        raise ValueError(f"tile_mxfp4: out holds {tuple(out.shape)} in {out.block_n} x {out.block_k} tiles")
+        out = Mxfp4Tiles(torch.empty(shapes[0], dtype=torch.int32, device=w.packed.device),
+                         torch.empty(shapes[1], dtype=torch.int16, device=w.packed.device))
+    elif (tuple(out.words.shape), tuple(out.scales.shape)) != shapes:
+        raise ValueError(f"tile_mxfp4: out holds words {tuple(out.words.shape)}, scales {tuple(out.scales.shape)}; "
+                         f"{shapes} needed")
     for e in range(E):
         p = w.packed[e]
         codes = torch.stack([p & 15, p >> 4], -1).reshape(N, K)  # one code a byte, input order
