@@ -42,7 +42,7 @@ from ..stock.mxfp4 import Mxfp4Weight
 from ..stock.mxfp4_cuda import e2m1_bf16, e8m0_bf16
 from .fallbacks import log_fallback
 from .moe_triton import situ_fp32
-from .mxfp4_tiles import cached_tiles
+from .mxfp4_tiles import ROTATIONS, cached_tiles
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _SMEM_BYTES = 225 * 1024
@@ -72,8 +72,8 @@ class ExpertsTactic:
 
 DEFAULT_TACTIC = ExpertsTactic()
 # MXFP4: the copy re-packed in MMA order, 128-input steps, the PTX dequantizer, 168 registers (three programs an SM).
-# Measured on the H200 (docs/perf.md, 2026-12-03, nibble words): 1.83-2.23 TB/s of codes and scales at 1-1024 routed
-# rows, 1.59-1.79x the checkpoint's layout (256-input steps: 1.08-1.34 TB/s)
+# Measured on the H200 (docs/perf.md, 2026-12-03, rotated words): 2.07-2.60 TB/s of codes and scales at 16-1024
+# routed rows, 1.79-2.07x the checkpoint's layout (256-input steps: 1.16-1.35 TB/s)
 DEFAULT_MXFP4_TACTIC = ExpertsTactic(block_k=128, num_stages=4, ptx_dequant=True, tiles=True, maxnreg=168)
 
 
@@ -96,43 +96,65 @@ def _pipeline(block_n: int, block_m: int, big_m: int, tactic: ExpertsTactic, mxf
     return dict(STAGES=stages, BIG_STAGES=big, num_stages=stages)
 
 
-def _codes_ptx(src: str, out: str, scale: str, folded: bool = False) -> str:
-    """PTX: the codes at bits 12-15 of both BF16 lanes of ``src`` -> their weights in ``out``: times 2^126, then
-    ``scale`` (or ``folded``: times ``scale`` = 2^126 x the group's scale, one FMA)."""
+def _codes_ptx(src: str, out: str, scale: str) -> str:
+    """PTX: the codes at bits 12-15 of both BF16 lanes of ``src`` -> their weights in ``out`` (times ``scale``)."""
     return (f"and.b32 a, {src}, 0x80008000;\nshr.b32 b, {src}, 6;\nand.b32 b, b, 0x01C001C0;\nor.b32 a, a, b;\n"
-            + ("" if folded else "fma.rn.bf16x2 a, a, c126, nz;\n") + f"fma.rn.bf16x2 {out}, a, {scale}, nz;\n")
+            f"fma.rn.bf16x2 a, a, c126, nz;\nfma.rn.bf16x2 {out}, a, {scale}, nz;\n")
 
 
-def _bytes_ptx(folded: bool) -> str:
-    """PTX: four code bytes ($4, eight E2M1 codes) and two BF16x2 scales ($5 for bytes 0-1, $6 for bytes 2-3) ->
-    the low-nibble values of bytes 0-1 and 2-3 ($0, $1), then the high-nibble ones ($2, $3), BF16 two a register.
-
-    prmt puts byte i's code pair at bits 8-15 of BF16 lane i; a code's sign and three magnitude bits then move to
-    the lane's sign, lowest two exponent bits and first mantissa bit (2^(e - 127) * 1.m, or the subnormal
-    m * 2^-127 for e = 0), times 2^126 the E2M1 value, times the scale the weight: exact (BF16 FMAs keep
-    subnormals; -0 added keeps -0). ``folded``: the scales already hold the 2^126 (one FMA a register)."""
-    return ("{\n.reg .b32 z, nz, " + ("" if folded else "c126, ") + "t0, t1, a, b;\nmov.b32 z, 0;\n"
-            "mov.b32 nz, 0x80008000;\n" + ("" if folded else "mov.b32 c126, 0x7E807E80;\n")
-            + "prmt.b32 t0, $4, z, 0x1404;\nprmt.b32 t1, $4, z, 0x3424;\n"  # [0, b0, 0, b1], [0, b2, 0, b3]
-            + _codes_ptx("t0", "$2", "$5", folded) + _codes_ptx("t1", "$3", "$6", folded)  # high nibbles first
-            + "shl.b32 t0, t0, 4;\nshl.b32 t1, t1, 4;\n"  # then the low nibbles
-            + _codes_ptx("t0", "$0", "$5", folded) + _codes_ptx("t1", "$1", "$6", folded) + "}\n")
+# Four code bytes (eight E2M1 codes, the low nibble first) and their scales 2^(s - 127) (BF16, two a register)
+# -> the four low-nibble and the four high-nibble values (BF16, two a register). prmt puts byte i's code pair
+# at bits 8-15 of BF16 lane i; a code's sign and three magnitude bits then move to the lane's sign, lowest two
+# exponent bits and first mantissa bit (2^(e - 127) * 1.m, or the subnormal m * 2^-127 for e = 0), times 2^126
+# gives the E2M1 value, times the scale the weight: exact (BF16 FMAs keep subnormals; -0 added keeps -0).
+_DEQUANT_PTX = tl.constexpr(
+    "{\n.reg .b32 z, nz, c126, t0, t1, a, b;\nmov.b32 z, 0;\nmov.b32 nz, 0x80008000;\nmov.b32 c126, 0x7E807E80;\n"
+    "prmt.b32 t0, $4, z, 0x1404;\nprmt.b32 t1, $4, z, 0x3424;\n"  # [0, b0, 0, b1], [0, b2, 0, b3]: high nibbles first
+    + _codes_ptx("t0", "$2", "$5") + _codes_ptx("t1", "$3", "$6")
+    + "shl.b32 t0, t0, 4;\nshl.b32 t1, t1, 4;\n"  # then the low nibbles
+    + _codes_ptx("t0", "$0", "$5") + _codes_ptx("t1", "$1", "$6") + "}\n")
 
 
-# The checkpoint's layout: scales 2^(s - 127) of the bytes' rows.
-_DEQUANT_PTX = tl.constexpr(_bytes_ptx(folded=False))
-# One re-packed word (ops/mxfp4_tiles.py) and its rows' folded scales 2^(s - 1) (row n, row n + 8) -> the MMA's
-# four BF16x2 operand registers: bytes 0-1 are row n, bytes 2-3 row n + 8.
-_WORD_PTX = tl.constexpr(_bytes_ptx(folded=True))
+def _word_ptx() -> str:
+    """PTX: one re-packed word ($4) and its rows' folded scales 2^(s - 1) ($5: row n, $6: row n + 8; BF16 in both
+    lanes) -> the MMA's four BF16x2 operand registers R0 .. R3 ($0 .. $3): each the word rotated and masked
+    (ops/mxfp4_tiles.py), which is the lanes' E2M1 values times 2^-126, then one FMA by the scale."""
+    lines = ["{", ".reg .b32 nz, a, b;", "mov.b32 nz, 0x80008000;"]
+    for reg, (rs, rm) in enumerate(ROTATIONS):
+        rot = lambda r, dst: f"shf.l.wrap.b32 {dst}, $4, $4, {r};" if r else f"mov.b32 {dst}, $4;"  # noqa: E731
+        if rs == rm:
+            lines += [rot(rs, "a"), "and.b32 a, a, 0x81C081C0;"]
+        else:
+            lines += [rot(rs, "a"), rot(rm, "b"), "and.b32 a, a, 0x80008000;", "and.b32 b, b, 0x01C001C0;",
+                      "or.b32 a, a, b;"]
+        lines.append(f"fma.rn.bf16x2 ${reg}, a, ${5 + reg % 2}, nz;")
+    return "\n".join(lines + ["}"]) + "\n"
+
+
+_WORD_PTX = tl.constexpr(_word_ptx())
+_ROT = tl.constexpr(ROTATIONS)
 
 
 @triton.jit
-def _code_pair(word, shift_a, shift_b, s):
-    """Integer twin of one _WORD_PTX output: the codes at bits ``shift_a`` / ``shift_b`` of ``word`` times
-    2^(s - 127) (``s`` the stored s + 126, minus 126), as the BF16x2 bits (int32) of (low, high) lane."""
+def _rotl(x, r: tl.constexpr):
+    """``x`` (uint32) rotated left by ``r`` bits."""
+    if r == 0:
+        y = x
+    else:
+        y = (x << r) | (x >> (32 - r))
+    return y
+
+
+@triton.jit
+def _word_register(word, s, REG: tl.constexpr):
+    """Integer twin of one _WORD_PTX output: register ``REG`` of ``word`` (uint32) times 2^(s - 127) (``s`` the
+    stored s + 126, minus 126), as the BF16x2 bits (int32) of its two lanes."""
+    r = (_rotl(word, _ROT[REG][0]) & 0x80008000) | (_rotl(word, _ROT[REG][1]) & 0x01C001C0)
     scale = e8m0_bf16(s - 126).to(tl.float32)
-    a = (e2m1_bf16((word >> shift_a) & 15).to(tl.float32) * scale).to(tl.bfloat16).to(tl.int16, bitcast=True)
-    b = (e2m1_bf16((word >> shift_b) & 15).to(tl.float32) * scale).to(tl.bfloat16).to(tl.int16, bitcast=True)
+    lo = ((((r >> 15) & 1) << 3) | ((r >> 6) & 7)).to(tl.int32)
+    hi = ((((r >> 31) & 1) << 3) | ((r >> 22) & 7)).to(tl.int32)
+    a = (e2m1_bf16(lo).to(tl.float32) * scale).to(tl.bfloat16).to(tl.int16, bitcast=True)
+    b = (e2m1_bf16(hi).to(tl.float32) * scale).to(tl.bfloat16).to(tl.int16, bitcast=True)
     return (a.to(tl.int32) & 0xFFFF) | (b.to(tl.int32) << 16)
 
 
@@ -151,10 +173,11 @@ def _word_tile(w_ptrs, s_ptrs, k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, 
         o0, o1, o2, o3 = tl.inline_asm_elementwise(_WORD_PTX, "=r,=r,=r,=r,r,r,r", [wd, sn * 0x00800080, s8 * 0x00800080],
                                                    dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
     else:
-        o0 = _code_pair(wd, 0, 8, sn)
-        o1 = _code_pair(wd, 16, 24, s8)
-        o2 = _code_pair(wd, 4, 12, sn)
-        o3 = _code_pair(wd, 20, 28, s8)
+        u = wd.to(tl.uint32, bitcast=True)
+        o0 = _word_register(u, sn, 0)
+        o1 = _word_register(u, s8, 1)
+        o2 = _word_register(u, sn, 2)
+        o3 = _word_register(u, s8, 3)
     z = tl.join(tl.join(o0, o2), tl.join(o1, o3))  # [TR, J, 2 (half), 2 (h)]: the operand's register order
     v = tl.join((z & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True),
                 (z >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True))  # [TR, J, half, h, 2 (lane)]
