@@ -8,12 +8,12 @@ routed experts in each ``--experts`` format (MXFP4 as K3 ships them, and BF16), 
 Both sides are compiled with ``fullgraph=True, dynamic=False`` (one graph per batch, as serving
 captures one per batch size) and CUDA-graph captured, on the same inputs, in one process. The layer reads
 >400 MB of weights per step (7x the 60 MB L2), so weights are not rotated. For each batch it
-prints the layer's median µs both ways and their ratio, the experts call alone, and the
-non-expert part (layer - experts) both ways; the floor counts the non-expert weights plus
-the touched experts' stored bytes (MXFP4: codes and scales). With both formats, ``vs BF16`` is the
-BF16 kimi_dep layer's time over the MXFP4 kimi_dep layer's, per batch. ``--trace`` writes a profiler trace of one step each way at ``--trace-rows``
-(CUDA-graph replays; router and shared expert on the side stream) and prints how much
-side-stream kernel time overlaps main-stream kernels.
+prints the layer's median µs both ways and their ratio, each side's experts call alone (the stock op;
+kimi_dep's Triton experts on the same weights), and the non-expert part (layer - that side's experts); the
+floor counts the non-expert weights plus the touched experts' stored bytes (MXFP4: codes and scales). With
+both formats, ``vs BF16`` is the BF16 kimi_dep layer's time over the MXFP4 kimi_dep layer's, per batch.
+``--trace`` writes a profiler trace of one step each way at ``--trace-rows`` (CUDA-graph replays; router and
+shared expert on the side stream) and prints how much side-stream kernel time overlaps main-stream kernels.
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ from common import (capture_graph, floors_us, format_table, plot_panels, raise_r
 import dep_compile  # noqa: E402
 from dep_compile.stock import preset  # noqa: E402
 from dep_compile.stock.model import init_weights  # noqa: E402
-from dep_compile.stock.moe import KimiMoE  # noqa: E402
+from dep_compile.ops.experts_triton import routed_experts_dep  # noqa: E402
+from dep_compile.stock.moe import KimiMoE, Mxfp4Experts  # noqa: E402
+from dep_compile.stock.mxfp4 import Mxfp4Weight  # noqa: E402
 
 
 class MoeBlock(torch.nn.Module):
@@ -50,6 +52,17 @@ def touched_expert_bytes(ids: torch.Tensor, experts: torch.nn.Module) -> int:
     """Stored bytes of the local experts some id picks (every parameter of the experts module, per expert)."""
     local = ids[(ids >= 0) & (ids < experts.num_local)].unique().numel()
     return local * sum(p[0].numel() * p.element_size() for p in experts.parameters())
+
+
+def dep_experts(experts: torch.nn.Module, latent, topk_w, topk_ids) -> torch.Tensor:
+    """kimi_dep's routed experts (the call the rewritten layer makes) on ``experts``' weights."""
+    if isinstance(experts, Mxfp4Experts):
+        w13 = Mxfp4Weight(experts.w13_weight_packed, experts.w13_weight_scale)
+        w2 = Mxfp4Weight(experts.w2_weight_packed, experts.w2_weight_scale)
+    else:
+        w13, w2 = experts.w13_weight, experts.w2_weight
+    return routed_experts_dep(latent, w13, w2, topk_w, topk_ids, experts.expert_start, experts.ep_size,
+                              experts.beta, experts.beta_lin)
 
 
 def main() -> None:
@@ -71,9 +84,10 @@ def main() -> None:
     for r in rows_out:
         bf16 = by.get(("bf16", r["rows"]))
         r["vs_bf16"] = bf16["dep_us"] / r["dep_us"] if bf16 else float("nan")
-    headers = ["experts", "rows", "stock µs", "kimi_dep µs", "ratio", "vs BF16", "experts µs", "non-exp stock",
-               "non-exp dep", "non-exp ratio", "floor@4.33", "floor@4.8", "dep/floor", "rel err"]
-    table = [[r["experts"], r["rows"], f"{r['stock_us']:.1f}", f"{r['dep_us']:.1f}", f"{r['ratio']:.3f}", f"{r['vs_bf16']:.2f}", f"{r['experts_us']:.1f}",
+    headers = ["experts", "rows", "stock µs", "kimi_dep µs", "ratio", "vs BF16", "experts stock", "experts dep",
+               "non-exp stock", "non-exp dep", "non-exp ratio", "floor@4.33", "floor@4.8", "dep/floor", "rel err"]
+    table = [[r["experts"], r["rows"], f"{r['stock_us']:.1f}", f"{r['dep_us']:.1f}", f"{r['ratio']:.3f}", f"{r['vs_bf16']:.2f}",
+              f"{r['experts_stock_us']:.1f}", f"{r['experts_dep_us']:.1f}",
               f"{r['nonexpert_stock_us']:.1f}", f"{r['nonexpert_dep_us']:.1f}", f"{r['nonexpert_ratio']:.2f}",
               f"{r['floor_433_us']:.1f}", f"{r['floor_48_us']:.1f}", f"{r['dep_us'] / r['floor_433_us']:.2f}", f"{r['max_err']:.1e}"]
              for r in rows_out]
@@ -86,7 +100,8 @@ def main() -> None:
         panels.append({"title": f"K3 MoE layer, {fmt} experts (EP16 rank: 56 local)", "x": [r["rows"] for r in rs],
                        "series": {"stock (Inductor)": [r["stock_us"] for r in rs],
                                   "kimi_dep": [r["dep_us"] for r in rs],
-                                  "experts alone (stock op)": [r["experts_us"] for r in rs],
+                                  "experts alone (stock op)": [r["experts_stock_us"] for r in rs],
+                                  "experts alone (kimi_dep)": [r["experts_dep_us"] for r in rs],
                                   "floor @4.33 TB/s": [r["floor_433_us"] for r in rs]}})
     plot_panels(os.path.join(args.out, "moe.png"), panels, xlabel="rows", ylabel="µs")
 
@@ -114,15 +129,16 @@ def run_format(cfg, batches: list[int], num_local: int, trace_dir: str | None, t
             # the experts call alone, on this batch's routing
             topk_w, topk_ids = mlp.gate(x)
             latent = mlp.routed_expert_down_proj(x)
-            experts = lambda i: mlp.experts(latent, topk_w, topk_ids)  # noqa: E731
-            t_exp = time_graph(experts, 8)["median_us"]
+            t_exp = time_graph(lambda i: mlp.experts(latent, topk_w, topk_ids), 8)["median_us"]
+            t_exp_dep = time_graph(lambda i: dep_experts(mlp.experts, latent, topk_w, topk_ids), 8)["median_us"]
             t_stock = time_graph(lambda i: stock(x), 8)["median_us"]
             t_dep = time_graph(lambda i: dep(x), 8)["median_us"]
             nbytes = non_expert_bytes + touched_expert_bytes(topk_ids, mlp.experts)
             fl = floors_us(nbytes)
-            ne_stock, ne_dep = t_stock - t_exp, t_dep - t_exp
+            ne_stock, ne_dep = t_stock - t_exp, t_dep - t_exp_dep
             out.append(dict(experts=cfg.experts_format, rows=T, stock_us=t_stock, dep_us=t_dep, ratio=t_stock / t_dep,
-                            experts_us=t_exp, nonexpert_stock_us=ne_stock, nonexpert_dep_us=ne_dep,
+                            experts_stock_us=t_exp, experts_dep_us=t_exp_dep, nonexpert_stock_us=ne_stock,
+                            nonexpert_dep_us=ne_dep,
                             nonexpert_ratio=ne_stock / ne_dep if ne_dep > 0 else float("nan"),
                             floor_433_us=fl["practical"], floor_48_us=fl["spec"], bytes=nbytes, max_err=err,
                             rewritten=[m.op for m in rep.layers]))
