@@ -11,7 +11,9 @@ captures one per batch size) and CUDA-graph captured, on the same inputs, in one
 prints the layer's median µs both ways and their ratio, each side's experts call alone (the stock op;
 kimi_dep's Triton experts on the same weights), and the non-expert part (layer - that side's experts); the
 floor counts the non-expert weights plus the touched experts' stored bytes (MXFP4: codes and scales). With
-both formats, ``vs BF16`` is the BF16 kimi_dep layer's time over the MXFP4 kimi_dep layer's, per batch.
+both formats, ``vs BF16`` is the BF16 kimi_dep layer's time over the MXFP4 kimi_dep layer's, per batch: the
+router's weights and each batch's input are drawn from their own seeds, so both formats route alike (the table
+says how many local experts a batch touches).
 ``--trace`` writes a profiler trace of one step each way at ``--trace-rows`` (CUDA-graph replays; router and
 shared expert on the side stream) and prints how much side-stream kernel time overlaps main-stream kernels.
 """
@@ -48,10 +50,14 @@ class MoeBlock(torch.nn.Module):
         return self.mlp(x)
 
 
-def touched_expert_bytes(ids: torch.Tensor, experts: torch.nn.Module) -> int:
-    """Stored bytes of the local experts some id picks (every parameter of the experts module, per expert)."""
-    local = ids[(ids >= 0) & (ids < experts.num_local)].unique().numel()
-    return local * sum(p[0].numel() * p.element_size() for p in experts.parameters())
+def touched_experts(ids: torch.Tensor, experts: torch.nn.Module) -> int:
+    """How many local experts some id picks."""
+    return ids[(ids >= 0) & (ids < experts.num_local)].unique().numel()
+
+
+def expert_bytes(experts: torch.nn.Module) -> int:
+    """Stored bytes of one expert (every parameter of the experts module)."""
+    return sum(p[0].numel() * p.element_size() for p in experts.parameters())
 
 
 def dep_experts(experts: torch.nn.Module, latent, topk_w, topk_ids) -> torch.Tensor:
@@ -84,9 +90,9 @@ def main() -> None:
     for r in rows_out:
         bf16 = by.get(("bf16", r["rows"]))
         r["vs_bf16"] = bf16["dep_us"] / r["dep_us"] if bf16 else float("nan")
-    headers = ["experts", "rows", "stock µs", "kimi_dep µs", "ratio", "vs BF16", "experts stock", "experts dep",
+    headers = ["experts", "rows", "touched", "stock µs", "kimi_dep µs", "ratio", "vs BF16", "experts stock", "experts dep",
                "non-exp stock", "non-exp dep", "non-exp ratio", "floor@4.33", "floor@4.8", "dep/floor", "rel err"]
-    table = [[r["experts"], r["rows"], f"{r['stock_us']:.1f}", f"{r['dep_us']:.1f}", f"{r['ratio']:.3f}", f"{r['vs_bf16']:.2f}",
+    table = [[r["experts"], r["rows"], r["touched"], f"{r['stock_us']:.1f}", f"{r['dep_us']:.1f}", f"{r['ratio']:.3f}", f"{r['vs_bf16']:.2f}",
               f"{r['experts_stock_us']:.1f}", f"{r['experts_dep_us']:.1f}",
               f"{r['nonexpert_stock_us']:.1f}", f"{r['nonexpert_dep_us']:.1f}", f"{r['nonexpert_ratio']:.2f}",
               f"{r['floor_433_us']:.1f}", f"{r['floor_48_us']:.1f}", f"{r['dep_us'] / r['floor_433_us']:.2f}", f"{r['max_err']:.1e}"]
@@ -109,7 +115,9 @@ def main() -> None:
 def run_format(cfg, batches: list[int], num_local: int, trace_dir: str | None, trace_rows: int) -> list[dict]:
     """Stock (Inductor) and kimi_dep MoE layers of ``cfg``'s experts format at each batch: the result rows
     (and, with ``trace_dir``, both ways' profiler traces at ``trace_rows``)."""
-    block = init_weights(MoeBlock(cfg, num_local), seed=0).cuda().eval().requires_grad_(False)
+    block = init_weights(MoeBlock(cfg, num_local), seed=0)
+    init_weights(block.mlp.gate, seed=1)  # the same router in every format (the experts' draws shift the stream)
+    block = block.cuda().eval().requires_grad_(False)
     stock = torch.compile(block, backend="inductor", fullgraph=True, dynamic=False)
     dep = torch.compile(block, backend="kimi_dep", fullgraph=True, dynamic=False)
     mlp = block.mlp
@@ -117,7 +125,7 @@ def run_format(cfg, batches: list[int], num_local: int, trace_dir: str | None, t
     out = []
     with torch.no_grad():
         for T in batches:
-            x = torch.randn(T, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(T, cfg.hidden_size, generator=torch.Generator().manual_seed(T)).to("cuda", torch.bfloat16)
             ref = block(x)
             got_dep, got_stock = dep(x), stock(x)
             # relative Frobenius error: BF16 rounding and the split-K / FP32-router summation order
@@ -133,10 +141,11 @@ def run_format(cfg, batches: list[int], num_local: int, trace_dir: str | None, t
             t_exp_dep = time_graph(lambda i: dep_experts(mlp.experts, latent, topk_w, topk_ids), 8)["median_us"]
             t_stock = time_graph(lambda i: stock(x), 8)["median_us"]
             t_dep = time_graph(lambda i: dep(x), 8)["median_us"]
-            nbytes = non_expert_bytes + touched_expert_bytes(topk_ids, mlp.experts)
+            touched = touched_experts(topk_ids, mlp.experts)
+            nbytes = non_expert_bytes + touched * expert_bytes(mlp.experts)
             fl = floors_us(nbytes)
             ne_stock, ne_dep = t_stock - t_exp, t_dep - t_exp_dep
-            out.append(dict(experts=cfg.experts_format, rows=T, stock_us=t_stock, dep_us=t_dep, ratio=t_stock / t_dep,
+            out.append(dict(experts=cfg.experts_format, rows=T, touched=touched, stock_us=t_stock, dep_us=t_dep, ratio=t_stock / t_dep,
                             experts_stock_us=t_exp, experts_dep_us=t_exp_dep, nonexpert_stock_us=ne_stock,
                             nonexpert_dep_us=ne_dep,
                             nonexpert_ratio=ne_stock / ne_dep if ne_dep > 0 else float("nan"),
