@@ -28,8 +28,9 @@ from triton_device import TRITON_DEV as DEV, device_test, ulps, use_triton
 MAX_REL = 2.0 ** -7  # CUDA: max |out - ref| / max |ref|
 SIZES = {"small": ([96, 40, 128, 32], 300), "full": ([1536, 576, 12288, 128, 32], 7168),
          "f_b": ([12288], 128),  # KDA's gate up-projection: one K block (cuBLAS's blockwise GEMM faulted there)
-         "small_preset": ([96, 48, 16], 256)}  # a small preset's packed runs (cuBLAS refused n 48, k 256)
-SIZE_NAMES = ("small",) if DEV == "cpu" else ("small", "full", "f_b", "small_preset")
+         "small_preset": ([96, 48, 16], 256),  # a small preset's packed runs (cuBLAS refused n 48, k 256)
+         "square": ([128, 128], 256)}  # a small preset's shared gate_up: 2 x 2 block scales (cuBLAS computed it wrong)
+SIZE_NAMES = ("small", "square") if DEV == "cpu" else ("small", "full", "f_b", "small_preset", "square")
 TACTICS = [SplitK(1, 64, 128, 4, 4), SplitK(1, 128, 128, 8, 3), SplitK(3, 32, 128, 4, 2)]
 
 
@@ -78,7 +79,7 @@ def test_fp8_splitk_matches_stock(size, tactic, m):
 
 
 @device_test
-@pytest.mark.parametrize("size", [n for n in SIZE_NAMES if n != "f_b"])  # f_b: one aligned segment, one grid
+@pytest.mark.parametrize("size", [n for n in SIZE_NAMES if n not in ("f_b", "square")])  # aligned segments: one grid
 def test_fp8_splitk_mutant_one_grid_fails(size):
     """Scales read as one 128-row grid over the packed weight (ignoring the segments) must fail the check."""
     kernel = _kernel()
@@ -140,3 +141,24 @@ def test_stock_block_fp8_matches_reference(size, m, path):
     out = getattr(fp8_block_cuda, path)(x.to(DEV), w.to(DEV), s.to(DEV), segments).cpu()
     err = float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
     assert _within(out, ref), f"max err {err:.3e} of the largest value (M={m}, {size})"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (cuBLAS)")
+def test_stock_block_fp8_probes_cublas_once_per_shape(monkeypatch, caplog):
+    """A cuBLAS that computes a run wrong (here: 1.5x too large) is caught by the once-per-shape probe: stock's
+    ``block_fp8_linear`` logs it, records the shape as not taken, and runs the Triton GEMM (the reference's result)."""
+    from dep_compile.stock import fp8_block_cuda  # noqa: PLC0415 - CUDA only
+
+    if not fp8_block_cuda.has_blockwise_mm(torch.device("cuda")):
+        pytest.skip("torch._scaled_mm has no blockwise scaling here")
+    real = torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: real(*a, **k) * 1.5)
+    monkeypatch.setattr(fp8_block_cuda, "_TAKES", {})
+    segments, k = SIZES["full"]
+    x, w, s = _case(segments, k, 16, seed=71)
+    ref = fp8_block_linear(x, w, s, segments)
+    out = fp8_block_cuda.block_fp8_linear(x.cuda(), w.cuda(), s.cuda(), segments).cpu()
+    assert _within(out, ref)
+    assert list(fp8_block_cuda._TAKES.values()) == [False]
+    assert "computed a" in caplog.text

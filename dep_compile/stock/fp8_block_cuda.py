@@ -15,7 +15,9 @@ What a user of FP8 block checkpoints runs on Hopper without our kernels:
 3. where ``_scaled_mm`` has no blockwise scaling (checked once per device: ``has_blockwise_mm``), or the
    shapes are not cuBLAS's (K not a multiple of 128, a run not a multiple of 16 rows: the small presets; K = 128,
    KDA's f_b: there cuBLAS's GEMM faulted on the H200, CUBLAS_STATUS_EXECUTION_FAILED, in a full-depth rank), or
-   cuBLAS refused a run of that shape and alignment (tried once, outside CUDA-graph captures: ``_TAKES``),
+   cuBLAS refused a run of that shape and alignment, or computed it wrong (tried once, outside CUDA-graph
+   captures, on the run's codes with distinct power-of-two block scales, against the Triton GEMM: ``_TAKES``;
+   on the H200 it computed a small preset's 256 x 256 run with its 2 x 2 block scales wrong),
    ``block_fp8_gemm``: ``[64, 128]`` output tiles, K in steps of 128 (one activation group and one weight
    block), the FP8 products of a step summed by the tensor cores and scaled by both scales, each weight row
    reading its own segment's scale row, in the shape of vLLM's Triton ``w8a8_block_fp8_matmul`` with its
@@ -27,6 +29,7 @@ The module imports Triton at import time: import it only where CUDA and Triton e
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +38,7 @@ import triton.language as tl
 
 from .fp8_block import BLOCK, FP8, scale_row_index
 
+_LOG = logging.getLogger(__name__)
 _QUANT_GROUPS = 8  # activation groups one quantize program takes
 _TILE_M, _TILE_N, _WARPS, _STAGES = 64, 128, 4, 2  # vLLM's default block-FP8 tiles (no tuned config)
 
@@ -136,9 +140,12 @@ def has_blockwise_mm(device: torch.device) -> bool:
 
 
 # (device, rows, n, k, weight and scale addresses mod 16) -> whether cuBLAS's blockwise FP8 GEMM took a run of that
-# shape. On the H200 (torch 2.11, CUDA 13) it refused a small preset's run (rows 4, n 48, k 256, its scales 8 bytes
-# past a 16-byte boundary) with CUBLAS_STATUS_NOT_SUPPORTED, and takes K3's runs (n 576 .. 49152, k 7168, 12288).
+# shape and computed it right. On the H200 (torch 2.11, CUDA 13) it refused a small preset's run (rows 4, n 48,
+# k 256, its scales 8 bytes past a 16-byte boundary) with CUBLAS_STATUS_NOT_SUPPORTED, computed a 256 x 256 run
+# (2 x 2 block scales: the small preset's shared gate_up) wrong (max error 36-100 % of the largest output), and takes
+# K3's runs (n 576 .. 49152, k 7168, 12288).
 _TAKES: dict[tuple, bool] = {}
+_PROBE_REL = 2.0 ** -5  # cuBLAS against the Triton GEMM on a probe: summation order and one BF16 rounding apart
 
 
 def _run_key(xq: torch.Tensor, w: torch.Tensor, ws: torch.Tensor) -> tuple:
@@ -166,25 +173,61 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     outs = []
     for w, ws in runs:  # a run cuBLAS has not been seen to take is tried once, outside captures
         key = _run_key(xq, w, ws)
-        try:
-            outs.append(torch._scaled_mm(xq, w.t(), xs, ws.t(), out_dtype=torch.bfloat16))
-        except RuntimeError:
-            _TAKES[key] = False
+        if key not in _TAKES:
+            _TAKES[key] = _cublas_takes(xq, xs, w, ws)
+        if not _TAKES[key]:
             return block_fp8_gemm(x, weight, weight_scale, segments)
-        _TAKES[key] = True
+        outs.append(torch._scaled_mm(xq, w.t(), xs, ws.t(), out_dtype=torch.bfloat16))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
     return out if rows == m else out[:m]
+
+
+def _aligned_like(t: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``values`` (contiguous, ``t``'s shape and dtype) copied to an address as far past a 16-byte boundary as ``t``."""
+    size = values.element_size()
+    buf = torch.empty(values.numel() + 16 // size, dtype=values.dtype, device=values.device)
+    skip = (t.data_ptr() - buf.data_ptr()) % 16 // size
+    out = buf[skip:skip + values.numel()].view(values.shape)
+    out.copy_(values)
+    return out
+
+
+def _cublas_takes(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor) -> bool:
+    """Whether cuBLAS's blockwise FP8 GEMM takes a run of these shapes and alignments and computes it as the Triton
+    GEMM does: probed once on random codes with distinct power-of-two activation and block scales (a misread
+    scale layout shows), none of them the caller's (whose values could hide a wrong result, zeros say)."""
+    g = torch.Generator(device=xq.device).manual_seed(0)
+    pow2 = lambda shape: torch.exp2(torch.randint(-4, 5, shape, generator=g, device=xq.device).float())  # noqa: E731
+    codes = lambda shape: torch.randn(shape, generator=g, device=xq.device).mul(16).to(FP8)  # noqa: E731
+    xq_p, xs_p = codes(tuple(xq.shape)), pow2(tuple(xs.shape))
+    w_p, ws_p = _aligned_like(w, codes(tuple(w.shape))), _aligned_like(ws, pow2(tuple(ws.shape)))
+    try:
+        got = torch._scaled_mm(xq_p, w_p.t(), xs_p.t().contiguous().t(), ws_p.t(), out_dtype=torch.bfloat16).float()
+    except RuntimeError:
+        return False
+    want = _gemm_quantized(xq_p, xs_p, w_p, ws_p, [w.shape[0]]).float()
+    err = float((got - want).abs().max() / want.abs().max())
+    if not err <= _PROBE_REL:
+        _LOG.warning("cuBLAS's blockwise FP8 GEMM computed a [%d, %d] x [%d, %d]^T run wrong on a probe (max error "
+                     "%.3g of the largest output); the Triton block-FP8 GEMM runs that shape", *xq.shape, *w.shape, err)
+        return False
+    return True
 
 
 def block_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                    segments: list[int]) -> torch.Tensor:
     """The plain Triton path of ``block_fp8_linear``: quantize, then ``_block_fp8_kernel``."""
-    m, k = x.shape
+    return _gemm_quantized(*quantize_activations(x), weight, weight_scale, segments)
+
+
+def _gemm_quantized(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    segments: list[int]) -> torch.Tensor:
+    """``_block_fp8_kernel`` on quantized activations (codes [M, K], row-major scales [M, K/128]) -> [M, N] bf16."""
+    m, k = xq.shape
     n = weight.shape[0]
-    xq, xs = quantize_activations(x)
-    out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=xq.device)
     grid = (triton.cdiv(n, _TILE_N), triton.cdiv(m, _TILE_M))
-    _block_fp8_kernel[grid](xq, xs, weight, weight_scale, scale_row_index(tuple(segments), x.device), out, m, n, k,
+    _block_fp8_kernel[grid](xq, xs, weight, weight_scale, scale_row_index(tuple(segments), xq.device), out, m, n, k,
                             xs.shape[1], weight.stride(0), weight_scale.stride(0), TILE_M=_TILE_M, TILE_N=_TILE_N,
                             num_warps=_WARPS, num_stages=_STAGES)
     return out
