@@ -143,22 +143,32 @@ def test_stock_block_fp8_matches_reference(size, m, path):
     assert _within(out, ref), f"max err {err:.3e} of the largest value (M={m}, {size})"
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (cuBLAS)")
-def test_stock_block_fp8_probes_cublas_once_per_shape(monkeypatch, caplog):
-    """A cuBLAS that computes a run wrong (here: 1.5x too large) is caught by the once-per-shape probe: stock's
-    ``block_fp8_linear`` logs it, records the shape as not taken, and runs the Triton GEMM (the reference's result)."""
-    from dep_compile.stock import fp8_block_cuda  # noqa: PLC0415 - CUDA only
+def _blockwise_mm(a, b, scale_a, scale_b, out_dtype, transposed=False):
+    """What cuBLAS's blockwise FP8 GEMM computes (a [M, K] codes, b [K, N], 1 x 128 and 128 x 128 scales), or with
+    ``transposed`` the 128 x 128 scales misread as their transpose."""
+    k, n = b.shape
+    sb = scale_b.t() if transposed else scale_b
+    wide_a = scale_a.repeat_interleave(128, 1)[:, :k]
+    wide_b = sb.repeat_interleave(128, 0)[:k].repeat_interleave(128, 1)[:, :n]
+    return ((a.float() * wide_a) @ (b.float() * wide_b)).to(out_dtype)
 
-    if not fp8_block_cuda.has_blockwise_mm(torch.device("cuda")):
-        pytest.skip("torch._scaled_mm has no blockwise scaling here")
-    real = torch._scaled_mm
-    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: real(*a, **k) * 1.5)
+
+@device_test
+@pytest.mark.parametrize("transposed", [False, True], ids=["right", "scales-transposed"])
+def test_stock_cublas_probe(monkeypatch, caplog, transposed):
+    """The once-per-shape probe of stock's ``block_fp8_linear`` keeps a GEMM that computes blockwise FP8 right and
+    drops (and logs) one that misreads a square run's block scales, whatever the caller's inputs: both against a
+    stand-in for ``torch._scaled_mm``, the Triton GEMM being the probe's yardstick."""
+    use_triton()
+    from dep_compile.stock import fp8_block_cuda  # noqa: PLC0415 - CUDA / interpreter only
+
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: _blockwise_mm(*a, **k, transposed=transposed))
+    monkeypatch.setattr(fp8_block_cuda, "has_blockwise_mm", lambda device: True)
     monkeypatch.setattr(fp8_block_cuda, "_TAKES", {})
-    segments, k = SIZES["full"]
-    x, w, s = _case(segments, k, 16, seed=71)
+    segments, k = SIZES["square"]
+    x, w, s = _case(segments, k, 8, seed=72)
+    out = fp8_block_cuda.block_fp8_linear(x.to(DEV), w.to(DEV), s.to(DEV), segments).cpu()
     ref = fp8_block_linear(x, w, s, segments)
-    out = fp8_block_cuda.block_fp8_linear(x.cuda(), w.cuda(), s.cuda(), segments).cpu()
-    assert _within(out, ref)
-    assert list(fp8_block_cuda._TAKES.values()) == [False]
-    assert "computed a" in caplog.text
+    assert float((out.float() - ref.float()).abs().max() / ref.float().abs().max()) <= MAX_REL
+    assert list(fp8_block_cuda._TAKES.values()) == [not transposed]
+    assert ("computed a" in caplog.text) == transposed

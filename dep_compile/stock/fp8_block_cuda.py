@@ -182,25 +182,27 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     return out if rows == m else out[:m]
 
 
-def _aligned_like(t: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """``values`` (contiguous, ``t``'s shape and dtype) copied to an address as far past a 16-byte boundary as ``t``."""
-    size = values.element_size()
-    buf = torch.empty(values.numel() + 16 // size, dtype=values.dtype, device=values.device)
+def _random_like(t: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """A random tensor of ``t``'s shape and dtype at an address as far past a 16-byte boundary as ``t``'s: FP8 codes
+    uniform over the finite positive e4m3 values, or FP32 powers of two 2^-4 .. 2^4. Made in place, so a weight-sized
+    probe costs its own bytes only."""
+    size = t.element_size()
+    buf = torch.empty(t.numel() + 16 // size, dtype=t.dtype, device=t.device)
     skip = (t.data_ptr() - buf.data_ptr()) % 16 // size
-    out = buf[skip:skip + values.numel()].view(values.shape)
-    out.copy_(values)
+    out = buf[skip:skip + t.numel()].view(t.shape)
+    if t.dtype == FP8:
+        out.view(torch.uint8).random_(0, 127, generator=g)  # 0x00 .. 0x7E: 0 .. 448
+    else:
+        out.random_(-4, 5, generator=g).exp2_()
     return out
 
 
 def _cublas_takes(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor) -> bool:
     """Whether cuBLAS's blockwise FP8 GEMM takes a run of these shapes and alignments and computes it as the Triton
     GEMM does: probed once on random codes with distinct power-of-two activation and block scales (a misread
-    scale layout shows), none of them the caller's (whose values could hide a wrong result, zeros say)."""
+    scale layout shows), none of them the caller's (whose values could hide a wrong result: zeros, say)."""
     g = torch.Generator(device=xq.device).manual_seed(0)
-    pow2 = lambda shape: torch.exp2(torch.randint(-4, 5, shape, generator=g, device=xq.device).float())  # noqa: E731
-    codes = lambda shape: torch.randn(shape, generator=g, device=xq.device).mul(16).to(FP8)  # noqa: E731
-    xq_p, xs_p = codes(tuple(xq.shape)), pow2(tuple(xs.shape))
-    w_p, ws_p = _aligned_like(w, codes(tuple(w.shape))), _aligned_like(ws, pow2(tuple(ws.shape)))
+    xq_p, xs_p, w_p, ws_p = (_random_like(t.contiguous(), g) for t in (xq, xs, w, ws))
     try:
         got = torch._scaled_mm(xq_p, w_p.t(), xs_p.t().contiguous().t(), ws_p.t(), out_dtype=torch.bfloat16).float()
     except RuntimeError:
