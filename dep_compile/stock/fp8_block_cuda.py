@@ -16,8 +16,9 @@ What a user of FP8 block checkpoints runs on Hopper without our kernels:
    shapes are not cuBLAS's (K not a multiple of 128, a run not a multiple of 16 rows: the small presets; K = 128,
    KDA's f_b: there cuBLAS's GEMM faulted on the H200, CUBLAS_STATUS_EXECUTION_FAILED, in a full-depth rank), or
    cuBLAS refused a run of that shape and alignment, or computed it wrong (tried once, outside CUDA-graph
-   captures, on the run's codes with distinct power-of-two block scales, against the Triton GEMM: ``_TAKES``;
-   on the H200 it computed a small preset's 256 x 256 run with its 2 x 2 block scales wrong),
+   captures, on random codes with distinct power-of-two scales at the run's shapes and alignments, against the
+   Triton GEMM: ``_TAKES``; on the H200 it computed a small preset's 256 x 256 run with its 2 x 2 block scales
+   wrong),
    ``block_fp8_gemm``: ``[64, 128]`` output tiles, K in steps of 128 (one activation group and one weight
    block), the FP8 products of a step summed by the tensor cores and scaled by both scales, each weight row
    reading its own segment's scale row, in the shape of vLLM's Triton ``w8a8_block_fp8_matmul`` with its
@@ -166,13 +167,13 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     if k % BLOCK or k == BLOCK or any(w.shape[0] % 16 for w, _ in runs) or not has_blockwise_mm(x.device):
         return block_fp8_gemm(x, weight, weight_scale, segments)
     xq, xs = quantize_activations(x if rows == m else F.pad(x, (0, 0, 0, rows - m)))
-    known = [_TAKES.get(_run_key(xq, w, ws)) for w, ws in runs]
+    keys = [_run_key(xq, w, ws) for w, ws in runs]
+    known = [_TAKES.get(key) for key in keys]
     if False in known or (capturing and None in known):
         return block_fp8_gemm(x, weight, weight_scale, segments)
     xs = xs.t().contiguous().t()  # [rows, K/128], column-major
     outs = []
-    for w, ws in runs:  # a run cuBLAS has not been seen to take is tried once, outside captures
-        key = _run_key(xq, w, ws)
+    for (w, ws), key in zip(runs, keys):  # a run cuBLAS has not been seen to take is probed once, outside captures
         if key not in _TAKES:
             _TAKES[key] = _cublas_takes(xq, xs, w, ws)
         if not _TAKES[key]:
