@@ -62,6 +62,29 @@ def pass_cpu_seconds(gm, example_inputs, repeats: int = 3) -> float:
     return min(run_passes(gm, example_inputs)[0] for _ in range(repeats))
 
 
+def whole_graph_visits(gm, example_inputs) -> int:
+    """Nodes yielded by whole-graph walks (``graph.nodes``, either direction) in one pass run over ``gm``.
+
+    Deterministic where CPU time is not: a pass that walks the graph once per rewrite visits O(layers^2)
+    nodes, one that walks it a fixed number of times O(layers)."""
+    node_list = torch.fx.graph._node_list
+    forward, backward, visits = node_list.__iter__, node_list.__reversed__, [0]
+
+    def counted(walk):
+        def walk_counting(self):
+            for node in walk(self):
+                visits[0] += 1
+                yield node
+        return walk_counting
+
+    node_list.__iter__, node_list.__reversed__ = counted(forward), counted(backward)
+    try:
+        run_passes(gm, example_inputs)
+    finally:
+        node_list.__iter__, node_list.__reversed__ = forward, backward
+    return visits[0]
+
+
 def probes(gm, example_inputs) -> tuple[dict, Any]:
     """(translation-validation probes run, by "layers" (DSA / KDA / MoE) and "attn_res" points; the report) for
     one pass run over ``gm`` with validation on."""
