@@ -10,6 +10,9 @@ E2M1 codes two a byte and an E8M0 scale per 32 inputs). Two settings, one proces
 * **EP16**: one rank's 56 local experts of 896 (rank 3), ``R`` tokens each picking 16 distinct of
   896, so about ``R`` routed rows land on the rank (the actual count is reported).
 
+Beside the default tactic, ``1 slice`` is the same without split-K (``split_k=1``): at 1-4 EP rows, where
+1-4 local experts are touched, the default cuts each program's K range into slices (``experts_triton``).
+
 Each point is first checked against the CPU reference's function (``routed_experts_partial``,
 run on the GPU, on the dequantized weights for MXFP4): relative Frobenius error of both sides;
 MXFP4 kimi_dep must also be bit-equal to its BF16 kernels on the dequantized weights. Then each is
@@ -25,6 +28,7 @@ and scales), the floor is those bytes at 4.33 TB/s (measured read ceiling) and 4
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -77,6 +81,8 @@ def run_point(setting, tokens, E, start, total, w13s, w2s, gen, tactics, profile
     """Check, then time stock and each tactic at one point; returns the result row."""
     x = torch.randn(tokens, LAT, generator=gen).to(torch.bfloat16).cuda()
     tw, ids = routing(tokens, total, gen)
+    if not ((ids >= start) & (ids < start + E)).any():  # a point with no local pick would time nothing
+        ids[0, 0] = start + int(torch.randint(E, (1,), generator=gen))
     local = ids[(ids >= start) & (ids < start + E)]
     rows, touched = int(local.numel()), int(local.unique().numel())
     mxfp4 = isinstance(w13s[0], Mxfp4Weight)
@@ -145,7 +151,7 @@ def expert_weights(fmt: str, E: int, copies: int, seed: int = 0):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
-    ap.add_argument("--ep-rows", type=int, nargs="+", default=[16, 32, 64, 128, 256, 512, 1024])
+    ap.add_argument("--ep-rows", type=int, nargs="+", default=[1, 2, 4, 16, 32, 64, 128, 256, 512, 1024])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--sweep", action="store_true", help="also time the tactics in SWEEP")
     ap.add_argument("--format", choices=["bf16", "mxfp4"], default="bf16", help="the experts' weights")
@@ -153,7 +159,7 @@ def main() -> None:
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     default = DEFAULT_MXFP4_TACTIC if args.format == "mxfp4" else DEFAULT_TACTIC
-    tactics = {"dep": default}
+    tactics = {"dep": default, "1 slice": dataclasses.replace(default, split_k=1)}
     if args.format == "mxfp4":  # the two dequantizers: Triton integer ops (default) and PTX (two values an op)
         tactics.update({str(t): t for t in MXFP4_TACTICS})
     if args.sweep:
@@ -173,7 +179,7 @@ def main() -> None:
             results.append(run_point("slice", T, E_SLICE, 0, E_SLICE, w13s, w2s, gen, tactics, profile=T in (1, 64)))
         for R in args.ep_rows:
             results.append(run_point("ep16", R, E_EP, EP_START, EP_TOTAL, w13s, w2s, gen, tactics,
-                                     profile=R in (16, 1024)))
+                                     profile=R in (1, 16, 1024)))
     mx = args.format == "mxfp4"
     headers = ["setting", "tokens", "rows", "experts", "GB", "stock µs", "dep µs", "ratio", *(["BF16 dep µs", "vs BF16"]
                if mx else []), "stock TB/s", "dep TB/s", "dep/4.33", "floor@4.33", "floor@4.8", "err stock", "err dep"]

@@ -18,6 +18,8 @@ bit-equal. The MoE op test checks ``kimi_dep::moe`` with this path against the s
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -147,6 +149,57 @@ def test_deterministic(size):
     assert torch.equal(a, b)
 
 
+class _Mutant:
+    """A kernel launcher that changes the launch: ``args(list)`` edits the positional arguments, ``force`` the
+    keywords (a broken-kernel mutant made of the real kernel)."""
+
+    def __init__(self, kernel, args=lambda a: a, **force):
+        self.kernel, self.args, self.force = kernel, args, force
+
+    def __getitem__(self, grid):
+        return lambda *a, **k: self.kernel[grid](*self.args(list(a)), **{**k, **self.force})
+
+
+def _few_touched_ids(T, E, K, ranks, seed):
+    """ids [T, K] of T tokens on EP rank 1 of ``ranks`` (local experts E .. 2E): one local pick each (expert 2t),
+    K - 1 elsewhere."""
+    others = torch.cat([torch.arange(0, E), torch.arange(2 * E, ranks * E)])
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.cat([torch.tensor([E + 2 * t]), others[torch.randperm(len(others), generator=g)[:K - 1]]])
+                        for t in range(T)])
+
+
+def _few_touched(size, T):
+    """(BF16 case, expert_start) of ``_few_touched_ids`` at ``size``."""
+    sh = _shape(size)
+    ids = _few_touched_ids(T, sh["E"], sh["K"], 16 if size == "full" else 3, 70 + T)
+    return _case(T, **sh, ids=ids, seed=70 + T), sh["E"]
+
+
+@device_test
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("T", [1, 2])
+def test_split_k_where_few_experts_are_touched(size, T, monkeypatch):
+    """One or two tokens on an EP rank touch one or two local experts: both GEMMs split their K range
+    (``_slices``). The slices summed in order stay within the reference's bounds, two runs are bit-equal, and
+    the split is what ran: with GEMM1's slice sum poisoned (``_situ_kernel`` given a NaN beta) the output is
+    NaN, and a combine that reads only GEMM2's first slice misses the reference."""
+    et = _et()
+    case, start = _few_touched(size, T)
+    tac = _tactic(et, size)
+    got = _check(et, case, start, tac)
+    assert torch.equal(got, et.routed_experts_triton(*case, start, BETA, BETA_LIN, tactic=tac))
+    _check(et, case, start, dataclasses.replace(tac, split_k=1))
+    ref = routed_experts_partial(*case, start, BETA, BETA_LIN)
+    with monkeypatch.context() as m:
+        m.setattr(et, "_situ_kernel", _Mutant(et._situ_kernel, args=lambda a: a[:3] + [float("nan")] + a[4:]))
+        assert torch.isnan(et.routed_experts_triton(*case, start, BETA, BETA_LIN, tactic=tac)).all(), "GEMM1 ran whole"
+    with monkeypatch.context() as m:
+        m.setattr(et, "_combine_kernel", _Mutant(et._combine_kernel, S_MAX=1))
+        first = et.routed_experts_triton(*case, start, BETA, BETA_LIN, tactic=tac)
+        assert float((first - ref).abs().max()) > 2 ** -6 * float(ref.abs().max()), "GEMM2 ran whole"
+
+
 @device_test
 def test_bad_input_raises():
     et = _et()
@@ -188,6 +241,34 @@ def test_capture_in_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, et.routed_experts_triton(*case, 0, BETA, BETA_LIN))
+
+
+@pytest.mark.cuda
+def test_capture_replays_another_split(monkeypatch):
+    """Captured with 64 tokens (many touched experts: one slice), replayed with one token's picks (two touched
+    experts: split K, seen by poisoning the slice sum): the slices are read on the device, so the replay equals
+    an eager call."""
+    et = _et()
+    sh = dict(FULL, E=56)
+    case = _case(64, **sh, E_total=896, seed=23)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        et.routed_experts_triton(*case, 0, BETA, BETA_LIN)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = et.routed_experts_triton(*case, 0, BETA, BETA_LIN)
+    ids = case[4]
+    ids.copy_(torch.arange(56, 56 + 16, device="cuda").repeat(64, 1))  # every pick elsewhere ...
+    ids[0, :2] = torch.tensor([5, 9], device="cuda")  # ... but token 0's first two
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = et.routed_experts_triton(*case, 0, BETA, BETA_LIN)
+    assert torch.equal(captured, eager)
+    assert float(captured[0].abs().max()) > 0.1 and not captured[1:].any()
+    monkeypatch.setattr(et, "_situ_kernel", _Mutant(et._situ_kernel, args=lambda a: a[:3] + [float("nan")] + a[4:]))
+    assert torch.isnan(et.routed_experts_triton(*case, 0, BETA, BETA_LIN)[0]).all(), "no K split at two experts"
 
 
 @pytest.mark.cuda
@@ -319,7 +400,6 @@ def test_mxfp4_check_fails_on_a_kernel_reading_another_experts_scales():
 def _tiles_tactic(et, size, ptx=True):
     """The re-packed MXFP4 path: the small case's 64 x 64 tiles, or the default MXFP4 tactic's; ``ptx``: the
     PTX dequantizer on CUDA (the interpreter runs its integer twin)."""
-    import dataclasses
 
     if size == "small":  # 64-row tiles, as at full size: 32 would run another MMA than the BF16 kernels' on the GPU
         return et.ExpertsTactic(block_n1=64, block_n2=64, block_k=64, num_warps=4, num_stages=2, ptx_dequant=ptx,
@@ -375,6 +455,17 @@ def test_mxfp4_tiles_crowded_expert_strided_views_and_other_ranks(size):
     dense = (w13.dequantize(), w2.dequantize())
     assert torch.equal(got, et.routed_experts_triton(x, *dense, w, ids, start, BETA, BETA_LIN, tactic=tactic))
     assert float(got.abs().max()) > 0.1 and not _tiles_logged(before)
+
+
+@device_test
+@pytest.mark.parametrize("size", SIZES)
+def test_mxfp4_tiles_split_k_where_few_experts_are_touched(size):
+    """One token on an EP rank (one local expert: both GEMMs split K) on the re-packed MXFP4 experts: bit-equal to
+    the BF16 kernels on the dequantized weights (the slices are chosen from the routing alone)."""
+    et = _et()
+    sh = SMALL_TILES if size == "small" else dict(FULL, E=56)
+    ids = _few_touched_ids(1, sh["E"], sh["K"], 16 if size == "full" else 3, 72)
+    _check_mx(et, _mx_case(1, **sh, ids=ids, seed=72), sh["E"], _tiles_tactic(et, size))
 
 
 @device_test
@@ -471,7 +562,6 @@ def test_stock_dequantizes_the_touched_experts_exactly():
 def test_mxfp4_full_size(E, T, ptx):
     """K3 widths, MXFP4: one EP16 rank's 56 experts (ids of all 896) or the slice's 64; both dequantizers
     (the default MXFP4 tactic's 256-input steps)."""
-    import dataclasses
 
     et = _et()
     start, total = (3 * 56, 896) if E == 56 else (0, 64)

@@ -2,22 +2,33 @@
 
 Same contract as ``stock.grouped_experts.routed_experts_grouped``: FP32 ``[T, Lat]``, the
 weighted sum of each token's local experts; ids outside ``expert_start .. + E`` add nothing.
-Four launches, no host sync, no sort in torch, static grids (CUDA-graph capturable; MXFP4 on CUDA reads a
-copy re-packed in MMA order, ``ops/mxfp4_tiles.py``, whose first call per weight syncs and allocates):
+Four launches (five with split-K), no host sync, no sort in torch, static grids (CUDA-graph capturable; MXFP4 on
+CUDA reads a copy re-packed in MMA order, ``ops/mxfp4_tiles.py``, whose first call per weight syncs and allocates):
 
-1. ``_count_kernel`` (grid ``E``): program ``e`` scans the ``P = T*K`` ids twice; it counts the
-   valid pairs of experts below ``e`` (its row offset) and its own pairs, then writes its pair
-   indices in pair order to ``order[offset ..]`` and each pair's row to ``row_of[pair]``.
-   Rows are thus sorted by (expert, pair) exactly like stock's stable argsort.
-2. ``_gemm1_kernel`` (grid ``(I / block_n, E)``): ``acc_g, acc_u [block_n, block_m] = w13[e]
-   gate/up tile @ x[tokens]^T`` (operands swapped so the weight tile is the MMA's M side and
-   one row pads only to 16), each rounded to BF16 as stock's grouped GEMM does, then SiTU in
-   FP32, rounded to BF16 into ``act[row, I]``. An expert without rows runs zero iterations.
-3. ``_gemm2_kernel`` (grid ``(Lat / block_n, E)``): ``y = w2[e] tile @ act[rows]^T`` in FP32,
-   times the pair's routing weight, stored to ``ys[row, Lat]`` (FP32, no atomics).
-4. ``_combine_kernel`` (grid ``(T, Lat / block_d)``): ``out[t] = 0 + ys[row of t's pairs]``
-   added in ascending local expert id (ties in slot order): the order of the CPU reference
-   ``routed_experts_partial``, so the combine is deterministic and adds no error of its own.
+1. ``_count_kernel`` (grid ``E``): program ``e`` histograms the ``P = T*K`` ids by local expert; from it, the
+   valid pairs of experts below ``e`` (its row offset), its own pairs, and its place among the touched
+   experts (``slot[place] = e``); it then writes its pair indices in pair order to ``order[offset ..]`` and
+   each pair's row to ``row_of[pair]``. Rows are thus sorted by (expert, pair) exactly like stock's stable
+   argsort. Program 0 writes ``meta = (touched experts, local pairs)``.
+2. ``_gemm1_kernel`` (grid ``(I / block_n, items)``): work item ``j`` is touched expert ``slot[j // S]``'s
+   K slice ``j % S`` (items past the touched experts exit at once). ``acc_g, acc_u [block_n, block_m] =
+   w13[e] gate/up tile @ x[tokens]^T`` (operands swapped so the weight tile is the MMA's M side and one row
+   pads only to 16), each rounded to BF16 as stock's grouped GEMM does, then SiTU in FP32, rounded to BF16
+   into ``act[row, I]``. With ``S > 1`` slices, FP32 partial gate / up go to ``part`` instead and
+   ``_situ_kernel`` (grid ``(SPLIT_ROWS, I / block_i)``) adds them in slice order, then rounds and SiTUs.
+3. ``_gemm2_kernel`` (grid ``(Lat / block_n, items)``): ``y = w2[e] tile @ act[rows]^T`` in FP32 over the
+   item's K slice, times the pair's routing weight, stored to ``ys[slice * pairs + row, Lat]`` (FP32, no
+   atomics).
+4. ``_combine_kernel`` (grid ``(T, Lat / block_d)``): ``out[t] = 0 + ys[row of t's pairs]`` (each the sum of
+   its slices in slice order) added in ascending local expert id (ties in slot order): the order of the CPU
+   reference ``routed_experts_partial``, so the combine is deterministic and adds no error of its own.
+
+Split-K (``_slices``): where few experts are touched (one decode token on an EP rank touches 1-2 of 56),
+one program a row tile leaves most SMs idle and each program walks the whole input range. The K range is
+then cut into ``S`` slices, as many as fill ``fill`` programs an SM (at most ``split_k``, the K steps, and
+``SPLIT_ROWS`` partial rows); ``S`` is read on the device from ``meta``, so the grid stays static. The
+slices are summed in a fixed order: the result is deterministic for given routing, and bit-equal across
+the BF16 and MXFP4 formats; against one slice it differs by FP32 summation order only.
 
 Row passes: an expert with at most ``block_m`` rows (16 up to 16 tokens, else 32) takes one pass;
 a crowded expert takes passes of ``BIG_M`` = 64 rows, each re-reading the program's weight slab,
@@ -47,6 +58,8 @@ from .mxfp4_tiles import ROTATIONS, cached_tiles
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _SMEM_BYTES = 225 * 1024
 BIG_M = 64  # rows a pass for an expert with more rows than block_m
+SPLIT_ROWS = 64  # rows of the split-K partials: K slices x local pairs (more pairs: no split)
+INTERPRETER_SMS = 132  # the H200's SMs, for the split rule in Triton's interpreter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,11 +76,13 @@ class ExpertsTactic:
                                # Triton integer ops (the interpreter always runs the latter)
     tiles: bool = False  # MXFP4: read a copy re-packed in the MMA's operand order (ops/mxfp4_tiles.py), made once
     maxnreg: int | None = None  # registers a thread of the two GEMMs (None: the compiler's choice, up to 255)
+    split_k: int = 8  # most K slices of an expert's programs where few experts are touched (1: never split)
+    fill: int = 3  # programs an SM the split aims at (MXFP4 holds three an SM by registers and shared memory)
 
     def __str__(self) -> str:
         return (f"n{self.block_n1}/{self.block_n2}k{self.block_k}w{self.num_warps}s{self.num_stages}m{self.block_m}"
                 + ("ptx" if self.ptx_dequant else "") + ("tiles" if self.tiles else "")
-                + (f"r{self.maxnreg}" if self.maxnreg else ""))
+                + (f"r{self.maxnreg}" if self.maxnreg else "") + f"split{self.split_k}f{self.fill}")
 
 
 DEFAULT_TACTIC = ExpertsTactic()
@@ -257,18 +272,25 @@ def _weight_ptrs(w_ptr, s_ptr, e, rn, pid_n, stride_we, stride_wn, stride_se, st
 
 
 @triton.jit(do_not_specialize=["P", "expert_start", "E"])
-def _count_kernel(ids_ptr, counts_ptr, offsets_ptr, order_ptr, row_of_ptr, P, expert_start, E, CHUNK: tl.constexpr):
-    """Expert e's row count, first row, and its pairs in pair order (ids [P] -> int32 [E], [E], [P], [P])."""
+def _count_kernel(ids_ptr, counts_ptr, offsets_ptr, order_ptr, row_of_ptr, slot_ptr, meta_ptr, P, expert_start, E,
+                  CHUNK: tl.constexpr, EP: tl.constexpr):
+    """Expert e's row count, first row, its pairs in pair order, and its place among the touched experts
+    (ids [P] -> int32 counts [E], offsets [E], order [P], row_of [P], slot [E]; meta [2]: touched, pairs)."""
     e = tl.program_id(0)
-    before = 0  # valid pairs of experts < e: this expert's first row
-    mine = 0
+    hist = tl.zeros([EP], dtype=tl.int32)  # valid pairs per local expert (EP >= E bins)
     for s in range(0, P, CHUNK):
         i = s + tl.arange(0, CHUNK)
         loc = tl.load(ids_ptr + i, mask=i < P, other=-1).to(tl.int32) - expert_start
         valid = (i < P) & (loc >= 0) & (loc < E)
-        before += tl.sum((valid & (loc < e)).to(tl.int32), axis=0)
-        mine += tl.sum((valid & (loc == e)).to(tl.int32), axis=0)
+        hist += tl.histogram(tl.where(valid, loc, 0), EP, mask=valid)
+    bins = tl.arange(0, EP)
+    before = tl.sum(tl.where(bins < e, hist, 0), axis=0)  # valid pairs of experts < e: this expert's first row
+    mine = tl.sum(tl.where(bins == e, hist, 0), axis=0)
+    if e == 0:
+        tl.store(meta_ptr, tl.sum((hist > 0).to(tl.int32), axis=0))
+        tl.store(meta_ptr + 1, tl.sum(hist, axis=0))
     if mine > 0:
+        tl.store(slot_ptr + tl.sum(((hist > 0) & (bins < e)).to(tl.int32), axis=0), e)
         run = before
         for s in range(0, P, CHUNK):
             i = s + tl.arange(0, CHUNK)
@@ -283,11 +305,32 @@ def _count_kernel(ids_ptr, counts_ptr, offsets_ptr, order_ptr, row_of_ptr, P, ex
 
 
 @triton.jit
-def _gemm1_pass(x_ptr, wg_base, wu_base, sg_base, su_base, act_ptr, order_ptr, off, c, m0, offs_n, offs_k,
-                stride_x, K_TOP, beta, beta_lin, LAT: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, MXFP4: tl.constexpr,
-                PTX: tl.constexpr, TILES: tl.constexpr, INTERPRET: tl.constexpr):
-    """Rows m0 .. m0 + BLOCK_M of one expert: gate/up tile GEMM, BF16 rounding, SiTU, BF16 store."""
+def _slices(meta_ptr, N_TILES: tl.constexpr, STEPS: tl.constexpr, SLOTS: tl.constexpr, S_MAX: tl.constexpr,
+            ROWS: tl.constexpr):
+    """(K slices S, local pairs): as many slices as fill ``SLOTS`` programs with ``N_TILES`` row tiles a touched
+    expert, at most ``S_MAX``, the ``STEPS`` K steps, and ``ROWS`` partial rows (S x local pairs); at least 1."""
+    touched = tl.load(meta_ptr)
+    pairs = tl.load(meta_ptr + 1)
+    s = tl.minimum(SLOTS // tl.maximum(touched * N_TILES, 1), ROWS // tl.maximum(pairs, 1))
+    return tl.maximum(tl.minimum(s, min(S_MAX, STEPS)), 1), pairs
+
+
+@triton.jit
+def _item(slot_ptr, meta_ptr, S):
+    """(expert, K slice, whether it is touched) of this program's work item ``program_id(1)``."""
+    j = tl.program_id(1)
+    live = j // S < tl.load(meta_ptr)
+    e = tl.load(slot_ptr + j // S, mask=live, other=0)
+    return e, j % S, live
+
+
+@triton.jit
+def _gemm1_pass(x_ptr, wg_base, wu_base, sg_base, su_base, act_ptr, part_ptr, order_ptr, off, c, m0, offs_n, offs_k,
+                k_lo, k_hi, s, S, pairs, stride_x, K_TOP, beta, beta_lin, LAT: tl.constexpr, INTER: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+                MXFP4: tl.constexpr, PTX: tl.constexpr, TILES: tl.constexpr, INTERPRET: tl.constexpr):
+    """Rows m0 .. m0 + BLOCK_M of one expert, inputs k_lo .. k_hi: gate/up tile GEMM, then BF16 rounding, SiTU,
+    BF16 store (one slice), or FP32 gate / up partials at ``part[s * pairs + row]`` (slice s of S > 1)."""
     rm = m0 + tl.arange(0, BLOCK_M)
     mmask = rm < c
     pair = tl.load(order_ptr + off + rm, mask=mmask, other=0)
@@ -295,18 +338,24 @@ def _gemm1_pass(x_ptr, wg_base, wu_base, sg_base, su_base, act_ptr, order_ptr, o
     acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     x_ptrs = x_ptr + tok[:, None] * stride_x + offs_k[None, :]
-    for k in tl.range(0, LAT, BLOCK_K, num_stages=STAGES):
+    for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         if LAT % BLOCK_K == 0:
             xt = tl.load(x_ptrs + k, mask=mmask[:, None], other=0.0)
         else:
             xt = tl.load(x_ptrs + k, mask=mmask[:, None] & ((k + offs_k) < LAT)[None, :], other=0.0)
         acc_g = _dot(_weight_tile(wg_base, sg_base, k, LAT, MXFP4, BLOCK_N, BLOCK_K, PTX, TILES), xt, acc_g, INTERPRET)
         acc_u = _dot(_weight_tile(wu_base, su_base, k, LAT, MXFP4, BLOCK_N, BLOCK_K, PTX, TILES), xt, acc_u, INTERPRET)
-    g = acc_g.to(tl.bfloat16).to(tl.float32)  # the grouped GEMM's BF16 output
-    u = acc_u.to(tl.bfloat16).to(tl.float32)
-    a = situ_fp32(g, u, beta, beta_lin)  # of the BF16-rounded gate and up: stock's numerics
-    out = act_ptr + (off + rm).to(tl.int64)[None, :] * INTER + offs_n[:, None]
-    tl.store(out, a.to(tl.bfloat16), mask=(offs_n < INTER)[:, None] & mmask[None, :])
+    smask = (offs_n < INTER)[:, None] & mmask[None, :]
+    if S == 1:
+        g = acc_g.to(tl.bfloat16).to(tl.float32)  # the grouped GEMM's BF16 output
+        u = acc_u.to(tl.bfloat16).to(tl.float32)
+        a = situ_fp32(g, u, beta, beta_lin)  # of the BF16-rounded gate and up: stock's numerics
+        out = act_ptr + (off + rm).to(tl.int64)[None, :] * INTER + offs_n[:, None]
+        tl.store(out, a.to(tl.bfloat16), mask=smask)
+    else:  # [2I] FP32 a partial row: gate, then up
+        partial = part_ptr + (s * pairs + off + rm).to(tl.int64)[None, :] * (2 * INTER) + offs_n[:, None]
+        tl.store(partial, acc_g, mask=smask)
+        tl.store(partial + INTER, acc_u, mask=smask)
 
 
 @triton.jit(do_not_specialize=["K_TOP"])
@@ -315,16 +364,22 @@ def _gemm1_kernel(
     w13_ptr,  # [E, 2I, Lat] bf16, or MXFP4 codes [E, 2I, Lat/2] uint8
     s13_ptr,  # MXFP4: E8M0 scales [E, 2I, Lat/32] uint8 (BF16: w13_ptr again, unread)
     act_ptr,  # [P, I] bf16 out, row = sorted pair position
-    counts_ptr, offsets_ptr, order_ptr,  # int32 [E], [E], [P]
+    part_ptr,  # [SPLIT_ROWS, 2I] fp32 split-K partials (S > 1)
+    counts_ptr, offsets_ptr, order_ptr, slot_ptr, meta_ptr,  # int32 [E], [E], [P], [E], [2]
     stride_x, stride_we, stride_wn, stride_se, stride_sn, K_TOP, beta, beta_lin,
     LAT: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BIG_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, BIG_STAGES: tl.constexpr,
     MXFP4: tl.constexpr, PTX: tl.constexpr, TILES: tl.constexpr, INTERPRET: tl.constexpr,
+    SLOTS: tl.constexpr, S_MAX: tl.constexpr, ROWS: tl.constexpr,
 ):
-    """act[rows of expert e, n-tile] = SiTU(x[tokens] @ w13[e] gate / up tiles^T), BF16."""
+    """act[rows of expert e, n-tile] = SiTU(x[tokens] @ w13[e] gate / up tiles^T), BF16 (or one K slice's partials)."""
     pid_n = tl.program_id(0)
-    e = tl.program_id(1)
-    c = tl.load(counts_ptr + e)
+    STEPS: tl.constexpr = (LAT + BLOCK_K - 1) // BLOCK_K
+    S, pairs = _slices(meta_ptr, (INTER + BLOCK_N - 1) // BLOCK_N, STEPS, SLOTS, S_MAX, ROWS)
+    e, s, live = _item(slot_ptr, meta_ptr, S)
+    k_lo = (s * STEPS // S) * BLOCK_K
+    k_hi = ((s + 1) * STEPS // S) * BLOCK_K
+    c = tl.load(counts_ptr + e, mask=live, other=0)  # 0: no work
     off = tl.load(offsets_ptr + e)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rn = tl.minimum(offs_n, INTER - 1).to(tl.int64)  # ragged last tile re-reads valid rows
@@ -336,27 +391,49 @@ def _gemm1_kernel(
     su_base = sg_base + UP * stride_sn
     if c > BLOCK_M:  # a crowded expert: BIG_M rows a pass
         for m0 in range(0, c, BIG_M):
-            _gemm1_pass(x_ptr, wg_base, wu_base, sg_base, su_base, act_ptr, order_ptr, off, c, m0, offs_n, offs_k,
-                        stride_x, K_TOP, beta, beta_lin, LAT, INTER, BIG_M, BLOCK_N, BLOCK_K, BIG_STAGES, MXFP4, PTX,
-                        TILES, INTERPRET)
+            _gemm1_pass(x_ptr, wg_base, wu_base, sg_base, su_base, act_ptr, part_ptr, order_ptr, off, c, m0, offs_n,
+                        offs_k, k_lo, k_hi, s, S, pairs, stride_x, K_TOP, beta, beta_lin, LAT, INTER, BIG_M, BLOCK_N,
+                        BLOCK_K, BIG_STAGES, MXFP4, PTX, TILES, INTERPRET)
     elif c > 0:  # one pass
-        _gemm1_pass(x_ptr, wg_base, wu_base, sg_base, su_base, act_ptr, order_ptr, off, c, 0, offs_n, offs_k,
-                    stride_x, K_TOP, beta, beta_lin, LAT, INTER, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MXFP4, PTX,
-                    TILES, INTERPRET)
+        _gemm1_pass(x_ptr, wg_base, wu_base, sg_base, su_base, act_ptr, part_ptr, order_ptr, off, c, 0, offs_n,
+                    offs_k, k_lo, k_hi, s, S, pairs, stride_x, K_TOP, beta, beta_lin, LAT, INTER, BLOCK_M, BLOCK_N,
+                    BLOCK_K, STAGES, MXFP4, PTX, TILES, INTERPRET)
 
 
 @triton.jit
-def _gemm2_pass(act_ptr, w_base, s_base, tw_ptr, ys_ptr, order_ptr, off, c, m0, offs_n, offs_k, LAT: tl.constexpr,
-                INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                STAGES: tl.constexpr, MXFP4: tl.constexpr, PTX: tl.constexpr, TILES: tl.constexpr,
-                INTERPRET: tl.constexpr):
-    """Rows m0 .. m0 + BLOCK_M of one expert: w2 tile GEMM in FP32, times the routing weight, FP32 store."""
+def _situ_kernel(part_ptr, act_ptr, meta_ptr, beta, beta_lin, INTER: tl.constexpr, BLOCK_I: tl.constexpr,
+                 N_TILES: tl.constexpr, STEPS: tl.constexpr, SLOTS: tl.constexpr, S_MAX: tl.constexpr,
+                 ROWS: tl.constexpr):
+    """act[row, i-block] = SiTU of the BF16-rounded gate and up, each the sum of GEMM1's S > 1 K slices in slice
+    order (part [ROWS, 2I] fp32 -> act [P, I] bf16); nothing where GEMM1 ran one slice."""
+    r = tl.program_id(0)
+    S, pairs = _slices(meta_ptr, N_TILES, STEPS, SLOTS, S_MAX, ROWS)
+    if (S > 1) & (r < pairs):
+        i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+        imask = i < INTER
+        row = part_ptr + r.to(tl.int64) * (2 * INTER) + i
+        g = tl.load(row, mask=imask, other=0.0)
+        u = tl.load(row + INTER, mask=imask, other=0.0)
+        for s in range(1, S):
+            g += tl.load(row + (s * pairs).to(tl.int64) * (2 * INTER), mask=imask, other=0.0)
+            u += tl.load(row + (s * pairs).to(tl.int64) * (2 * INTER) + INTER, mask=imask, other=0.0)
+        a = situ_fp32(g.to(tl.bfloat16).to(tl.float32), u.to(tl.bfloat16).to(tl.float32), beta, beta_lin)
+        tl.store(act_ptr + r.to(tl.int64) * INTER + i, a.to(tl.bfloat16), mask=imask)
+
+
+@triton.jit
+def _gemm2_pass(act_ptr, w_base, s_base, tw_ptr, ys_ptr, order_ptr, off, c, m0, offs_n, offs_k, k_lo, k_hi, s,
+                pairs, LAT: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, STAGES: tl.constexpr, MXFP4: tl.constexpr, PTX: tl.constexpr,
+                TILES: tl.constexpr, INTERPRET: tl.constexpr):
+    """Rows m0 .. m0 + BLOCK_M of one expert, inputs k_lo .. k_hi: w2 tile GEMM in FP32, times the routing weight,
+    FP32 store to ``ys[s * pairs + row]`` (slice s)."""
     rm = m0 + tl.arange(0, BLOCK_M)
     mmask = rm < c
     rows = (off + rm).to(tl.int64)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     a_ptrs = act_ptr + rows[:, None] * INTER + offs_k[None, :]
-    for k in tl.range(0, INTER, BLOCK_K, num_stages=STAGES):
+    for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         if INTER % BLOCK_K == 0:
             at = tl.load(a_ptrs + k, mask=mmask[:, None], other=0.0)
         else:
@@ -364,7 +441,7 @@ def _gemm2_pass(act_ptr, w_base, s_base, tw_ptr, ys_ptr, order_ptr, off, c, m0, 
         acc = _dot(_weight_tile(w_base, s_base, k, INTER, MXFP4, BLOCK_N, BLOCK_K, PTX, TILES), at, acc, INTERPRET)
     pair = tl.load(order_ptr + off + rm, mask=mmask, other=0)
     wgt = tl.load(tw_ptr + pair, mask=mmask, other=0.0).to(tl.float32)
-    out = ys_ptr + rows[None, :] * LAT + offs_n[:, None]
+    out = ys_ptr + (rows + s * pairs)[None, :] * LAT + offs_n[:, None]
     tl.store(out, acc * wgt[None, :], mask=(offs_n < LAT)[:, None] & mmask[None, :])
 
 
@@ -374,17 +451,22 @@ def _gemm2_kernel(
     w2_ptr,  # [E, Lat, I] bf16, or MXFP4 codes [E, Lat, I/2] uint8
     s2_ptr,  # MXFP4: E8M0 scales [E, Lat, I/32] uint8 (BF16: w2_ptr again, unread)
     tw_ptr,  # [T*K] routing weights
-    ys_ptr,  # [P, Lat] fp32 out
-    counts_ptr, offsets_ptr, order_ptr,
+    ys_ptr,  # [max(P, SPLIT_ROWS), Lat] fp32 out: slice s of row r at s * pairs + r
+    counts_ptr, offsets_ptr, order_ptr, slot_ptr, meta_ptr,
     stride_we, stride_wn, stride_se, stride_sn,
     LAT: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BIG_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, BIG_STAGES: tl.constexpr,
     MXFP4: tl.constexpr, PTX: tl.constexpr, TILES: tl.constexpr, INTERPRET: tl.constexpr,
+    SLOTS: tl.constexpr, S_MAX: tl.constexpr, ROWS: tl.constexpr,
 ):
-    """ys[rows of expert e, n-tile] = routing weight * (act[rows] @ w2[e] tile^T), FP32."""
+    """ys[rows of expert e, n-tile] = routing weight * (act[rows] @ w2[e] tile^T), FP32 (one K slice's)."""
     pid_n = tl.program_id(0)
-    e = tl.program_id(1)
-    c = tl.load(counts_ptr + e)
+    STEPS: tl.constexpr = (INTER + BLOCK_K - 1) // BLOCK_K
+    S, pairs = _slices(meta_ptr, (LAT + BLOCK_N - 1) // BLOCK_N, STEPS, SLOTS, S_MAX, ROWS)
+    e, s, live = _item(slot_ptr, meta_ptr, S)
+    k_lo = (s * STEPS // S) * BLOCK_K
+    k_hi = ((s + 1) * STEPS // S) * BLOCK_K
+    c = tl.load(counts_ptr + e, mask=live, other=0)
     off = tl.load(offsets_ptr + e)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rn = tl.minimum(offs_n, LAT - 1).to(tl.int64)
@@ -393,17 +475,28 @@ def _gemm2_kernel(
                                   TILES, BLOCK_N, BLOCK_K)
     if c > BLOCK_M:
         for m0 in range(0, c, BIG_M):
-            _gemm2_pass(act_ptr, w_base, s_base, tw_ptr, ys_ptr, order_ptr, off, c, m0, offs_n, offs_k, LAT, INTER,
-                        BIG_M, BLOCK_N, BLOCK_K, BIG_STAGES, MXFP4, PTX, TILES, INTERPRET)
+            _gemm2_pass(act_ptr, w_base, s_base, tw_ptr, ys_ptr, order_ptr, off, c, m0, offs_n, offs_k, k_lo, k_hi,
+                        s, pairs, LAT, INTER, BIG_M, BLOCK_N, BLOCK_K, BIG_STAGES, MXFP4, PTX, TILES, INTERPRET)
     elif c > 0:
-        _gemm2_pass(act_ptr, w_base, s_base, tw_ptr, ys_ptr, order_ptr, off, c, 0, offs_n, offs_k, LAT, INTER,
-                    BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MXFP4, PTX, TILES, INTERPRET)
+        _gemm2_pass(act_ptr, w_base, s_base, tw_ptr, ys_ptr, order_ptr, off, c, 0, offs_n, offs_k, k_lo, k_hi, s,
+                    pairs, LAT, INTER, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MXFP4, PTX, TILES, INTERPRET)
+
+
+@triton.jit
+def _ranked_row(valid, rank, row, r, d, dmask):
+    """(ys row, load mask over ``d``) of the token's pair of rank ``r`` (masked off where it has none)."""
+    sel = valid & (rank == r)
+    n = tl.sum(sel.to(tl.int32), axis=0)  # 1 where some slot has rank r, else 0
+    return tl.sum(tl.where(sel, row, 0), axis=0).to(tl.int64), dmask & ((d * 0 + n) > 0)
 
 
 @triton.jit(do_not_specialize=["expert_start", "E"])
-def _combine_kernel(ids_ptr, row_of_ptr, ys_ptr, out_ptr, expert_start, E, K_TOP: tl.constexpr,
-                    KP: tl.constexpr, LAT: tl.constexpr, BLOCK_D: tl.constexpr):
-    """out[t, d-block] = 0 + the ys rows of token t's local pairs, in ascending local expert id (FP32)."""
+def _combine_kernel(ids_ptr, row_of_ptr, ys_ptr, out_ptr, meta_ptr, expert_start, E, K_TOP: tl.constexpr,
+                    KP: tl.constexpr, LAT: tl.constexpr, BLOCK_D: tl.constexpr, N_TILES: tl.constexpr,
+                    STEPS: tl.constexpr, SLOTS: tl.constexpr, S_MAX: tl.constexpr, ROWS: tl.constexpr):
+    """out[t, d-block] = 0 + the ys rows of token t's local pairs (each its GEMM2 slices summed in slice order),
+    in ascending local expert id (FP32)."""
+    S, pairs = _slices(meta_ptr, N_TILES, STEPS, SLOTS, S_MAX, ROWS)
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = d < LAT
@@ -418,12 +511,24 @@ def _combine_kernel(ids_ptr, row_of_ptr, ys_ptr, out_ptr, expert_start, E, K_TOP
     before = (kj < ki) | ((kj == ki) & (j[None, :] < j[:, None]))  # slot j is added before slot i
     rank = tl.sum((before & in_k[None, :]).to(tl.int32), axis=1)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for r in tl.static_range(K_TOP):  # ascending local expert id, ties in slot order
-        sel = valid & (rank == r)
-        n = tl.sum(sel.to(tl.int32), axis=0)  # 1 where some slot has rank r, else 0
-        rr = tl.sum(tl.where(sel, row, 0), axis=0).to(tl.int64)
-        acc += tl.load(ys_ptr + rr * LAT + d, mask=dmask & ((d * 0 + n) > 0), other=0.0)
+    if S == 1:  # unrolled: the K_TOP loads in flight together
+        for r in tl.static_range(K_TOP):  # ascending local expert id, ties in slot order
+            rr, m = _ranked_row(valid, rank, row, r, d, dmask)
+            acc += tl.load(ys_ptr + rr * LAT + d, mask=m, other=0.0)
+    else:  # a loop (unrolled, every pair's first load is hoisted and the registers spill): slices in order first
+        for r in range(K_TOP):
+            rr, m = _ranked_row(valid, rank, row, r, d, dmask)
+            y = tl.load(ys_ptr + rr * LAT + d, mask=m, other=0.0)
+            for s in range(1, S):
+                y += tl.load(ys_ptr + (rr + s * pairs) * LAT + d, mask=m, other=0.0)
+            acc += y
     tl.store(out_ptr + t * LAT + d, acc, mask=dmask)
+
+
+def _slots(device: torch.device, tactic: ExpertsTactic) -> int:
+    """Programs the split rule fills: ``tactic.fill`` an SM (the interpreter counts an H200's SMs)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else INTERPRETER_SMS
+    return tactic.fill * sms
 
 
 def _tensors(w) -> tuple[torch.Tensor, torch.Tensor, bool]:
@@ -519,27 +624,43 @@ def routed_experts_triton(
     offsets = torch.empty(E, dtype=torch.int32, device=dev)
     order = torch.empty(P, dtype=torch.int32, device=dev)  # sorted position -> pair
     row_of = torch.empty(P, dtype=torch.int32, device=dev)  # pair -> sorted position (local pairs)
+    slot = torch.empty(E, dtype=torch.int32, device=dev)  # touched experts, ascending
+    meta = torch.empty(2, dtype=torch.int32, device=dev)  # touched experts, local pairs
     act = torch.empty(P, inter, dtype=torch.bfloat16, device=dev)
-    ys = torch.empty(P, lat, dtype=torch.float32, device=dev)
+    split = tactic.split_k > 1
+    ys = torch.empty(max(P, SPLIT_ROWS) if split else P, lat, dtype=torch.float32, device=dev)
+    part = torch.empty(SPLIT_ROWS, 2 * inter, dtype=torch.float32, device=dev) if split else ys
     chunk = 1024 if P <= 1024 else 2048  # two compiled variants; a masked lane costs next to nothing
-    _count_kernel[(E,)](ids, counts, offsets, order, row_of, P, int(expert_start), E, CHUNK=chunk,
-                        num_warps=chunk // 256)
+    _count_kernel[(E,)](ids, counts, offsets, order, row_of, slot, meta, P, int(expert_start), E, CHUNK=chunk,
+                        EP=max(2, triton.next_power_of_2(E)), num_warps=chunk // 256)
     bm = tactic.block_m or experts_block_m(T)
     big = max(bm, BIG_M)
+    rule = dict(SLOTS=_slots(dev, tactic), S_MAX=tactic.split_k, ROWS=SPLIT_ROWS)
     common = dict(LAT=lat, INTER=inter, BLOCK_M=bm, BIG_M=big, BLOCK_K=tactic.block_k, MXFP4=mxfp4,
                   PTX=mxfp4 and tactic.ptx_dequant and not _INTERPRET, TILES=bool(tiled), INTERPRET=_INTERPRET,
-                  num_warps=tactic.num_warps, **({"maxnreg": tactic.maxnreg} if tactic.maxnreg else {}))
-    _gemm1_kernel[(triton.cdiv(inter, tactic.block_n1), E)](
-        x, w13_t, s13, act, counts, offsets, order, x.stride(0), w13_t.stride(0), w13_t.stride(1), s13.stride(0),
-        s13.stride(1), K, float(beta), float(beta_lin), BLOCK_N=tactic.block_n1,
+                  num_warps=tactic.num_warps, **rule, **({"maxnreg": tactic.maxnreg} if tactic.maxnreg else {}))
+    tiles1, tiles2 = triton.cdiv(inter, tactic.block_n1), triton.cdiv(lat, tactic.block_n2)
+
+    def items(n_tiles: int) -> int:  # work items: each touched expert once, or (expert, slice) where S > 1
+        return max(min(E, P), min(SPLIT_ROWS, rule["SLOTS"] // n_tiles)) if split else min(E, P)
+
+    _gemm1_kernel[(tiles1, items(tiles1))](
+        x, w13_t, s13, act, part, counts, offsets, order, slot, meta, x.stride(0), w13_t.stride(0), w13_t.stride(1),
+        s13.stride(0), s13.stride(1), K, float(beta), float(beta_lin), BLOCK_N=tactic.block_n1,
         **_pipeline(2 * tactic.block_n1, bm, big, tactic, mxfp4), **common)
-    _gemm2_kernel[(triton.cdiv(lat, tactic.block_n2), E)](
-        act, w2_t, s2, tw, ys, counts, offsets, order, w2_t.stride(0), w2_t.stride(1), s2.stride(0), s2.stride(1),
-        BLOCK_N=tactic.block_n2, **_pipeline(tactic.block_n2, bm, big, tactic, mxfp4), **common)
+    if split:
+        block_i = min(1024, triton.next_power_of_2(inter))
+        _situ_kernel[(SPLIT_ROWS, triton.cdiv(inter, block_i))](
+            part, act, meta, float(beta), float(beta_lin), INTER=inter, BLOCK_I=block_i, N_TILES=tiles1,
+            STEPS=triton.cdiv(lat, tactic.block_k), **rule, num_warps=4)
+    _gemm2_kernel[(tiles2, items(tiles2))](
+        act, w2_t, s2, tw, ys, counts, offsets, order, slot, meta, w2_t.stride(0), w2_t.stride(1), s2.stride(0),
+        s2.stride(1), BLOCK_N=tactic.block_n2, **_pipeline(tactic.block_n2, bm, big, tactic, mxfp4), **common)
     block_d = min(2048, triton.next_power_of_2(lat))
-    _combine_kernel[(T, triton.cdiv(lat, block_d))](ids, row_of, ys, out, int(expert_start), E, K_TOP=K,
+    _combine_kernel[(T, triton.cdiv(lat, block_d))](ids, row_of, ys, out, meta, int(expert_start), E, K_TOP=K,
                                                      KP=max(2, triton.next_power_of_2(K)), LAT=lat,
-                                                     BLOCK_D=block_d, num_warps=4)
+                                                     BLOCK_D=block_d, N_TILES=tiles2,
+                                                     STEPS=triton.cdiv(inter, tactic.block_k), **rule, num_warps=4)
     return out
 
 
