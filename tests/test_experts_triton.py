@@ -221,12 +221,8 @@ def test_full_size(E, T):
     _check(et, _case(tokens, **FULL, E=E, E_total=total, seed=T + E), start, et.DEFAULT_TACTIC)
 
 
-@pytest.mark.cuda
-def test_capture_in_cuda_graph():
-    """Captured once, replayed on new ids and inputs: equals an eager call (no host sync inside)."""
-    et = _et()
-    sh = dict(FULL, E=56)
-    case = _case(64, **sh, E_total=112, seed=21)
+def _captured(et, case):
+    """(CUDA graph of one call on ``case``, its output), warmed up on a side stream first."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -235,6 +231,16 @@ def test_capture_in_cuda_graph():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = et.routed_experts_triton(*case, 0, BETA, BETA_LIN)
+    return graph, captured
+
+
+@pytest.mark.cuda
+def test_capture_in_cuda_graph():
+    """Captured once, replayed on new ids and inputs: equals an eager call (no host sync inside)."""
+    et = _et()
+    sh = dict(FULL, E=56)
+    case = _case(64, **sh, E_total=112, seed=21)
+    graph, captured = _captured(et, case)
     fresh = _case(64, **sh, E_total=112, seed=22)
     for dst, src in zip(case, fresh):
         dst.copy_(src)
@@ -251,14 +257,7 @@ def test_capture_replays_another_split(monkeypatch):
     et = _et()
     sh = dict(FULL, E=56)
     case = _case(64, **sh, E_total=896, seed=23)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        et.routed_experts_triton(*case, 0, BETA, BETA_LIN)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = et.routed_experts_triton(*case, 0, BETA, BETA_LIN)
+    graph, captured = _captured(et, case)
     ids = case[4]
     ids.copy_(torch.arange(56, 56 + 16, device="cuda").repeat(64, 1))  # every pick elsewhere ...
     ids[0, :2] = torch.tensor([5, 9], device="cuda")  # ... but token 0's first two
