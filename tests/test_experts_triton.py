@@ -150,14 +150,14 @@ def test_deterministic(size):
 
 
 class _Mutant:
-    """A kernel launcher that changes the launch: ``args(list)`` edits the positional arguments, ``force`` the
-    keywords (a broken-kernel mutant made of the real kernel)."""
+    """A kernel launcher that overrides some of the launch's keyword arguments (a broken-kernel mutant made of
+    the real kernel)."""
 
-    def __init__(self, kernel, args=lambda a: a, **force):
-        self.kernel, self.args, self.force = kernel, args, force
+    def __init__(self, kernel, **force):
+        self.kernel, self.force = kernel, force
 
     def __getitem__(self, grid):
-        return lambda *a, **k: self.kernel[grid](*self.args(list(a)), **{**k, **self.force})
+        return lambda *a, **k: self.kernel[grid](*a, **{**k, **self.force})
 
 
 def _few_touched_ids(T, E, K, ranks, seed):
@@ -176,28 +176,61 @@ def _few_touched(size, T):
     return _case(T, **sh, ids=ids, seed=70 + T), sh["E"]
 
 
-@device_test
-@pytest.mark.parametrize("size", SIZES)
-@pytest.mark.parametrize("T", [1, 2])
-def test_split_k_where_few_experts_are_touched(size, T, monkeypatch):
-    """One or two tokens on an EP rank touch one or two local experts: both GEMMs split their K range
-    (``_slices``). The slices summed in order stay within the reference's bounds, two runs are bit-equal, and
-    the split is what ran: with GEMM1's slice sum poisoned (``_situ_kernel`` given a NaN beta) the output is
-    NaN, and a combine that reads only GEMM2's first slice misses the reference."""
-    et = _et()
-    case, start = _few_touched(size, T)
+def _uneven(et, size):
+    """The size's tactic, or at the small size one with more K steps than slices (GEMM1 6 steps in 4 slices,
+    GEMM2 3 in 3; full size: 28 in 8 and 24 in 7 already)."""
     tac = _tactic(et, size)
+    return dataclasses.replace(tac, block_k=16, split_k=4) if size == "small" else tac
+
+
+def _poisoned_slice_sum(et):
+    """``_situ_kernel`` given a NaN beta: the output of every token whose expert GEMM1 split turns NaN."""
+    return _Mutant(et._situ_kernel, beta=float("nan"))
+
+
+def _check_split(et, case, start, tac, monkeypatch):
+    """The split call within the reference's bounds and bit-equal to itself, and the split is what ran: every
+    output NaN with GEMM1's slice sum poisoned, and a combine that reads only GEMM2's first slice misses."""
     got = _check(et, case, start, tac)
     assert torch.equal(got, et.routed_experts_triton(*case, start, BETA, BETA_LIN, tactic=tac))
-    _check(et, case, start, dataclasses.replace(tac, split_k=1))
     ref = routed_experts_partial(*case, start, BETA, BETA_LIN)
     with monkeypatch.context() as m:
-        m.setattr(et, "_situ_kernel", _Mutant(et._situ_kernel, args=lambda a: a[:3] + [float("nan")] + a[4:]))
+        m.setattr(et, "_situ_kernel", _poisoned_slice_sum(et))
         assert torch.isnan(et.routed_experts_triton(*case, start, BETA, BETA_LIN, tactic=tac)).all(), "GEMM1 ran whole"
     with monkeypatch.context() as m:
         m.setattr(et, "_combine_kernel", _Mutant(et._combine_kernel, S_MAX=1))
         first = et.routed_experts_triton(*case, start, BETA, BETA_LIN, tactic=tac)
         assert float((first - ref).abs().max()) > 2 ** -6 * float(ref.abs().max()), "GEMM2 ran whole"
+
+
+@device_test
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("T", [1, 2])
+@pytest.mark.parametrize("uneven", [False, True], ids=["even", "uneven"])
+def test_split_k_where_few_experts_are_touched(size, T, uneven, monkeypatch):
+    """One or two tokens on an EP rank touch one or two local experts: both GEMMs split their K range
+    (``_slices``), evenly or not; ``split_k=1`` stays within the bounds too."""
+    et = _et()
+    case, start = _few_touched(size, T)
+    tac = _uneven(et, size) if uneven else _tactic(et, size)
+    _check_split(et, case, start, tac, monkeypatch)
+    _check(et, case, start, dataclasses.replace(tac, split_k=1))
+
+
+@device_test
+@pytest.mark.parametrize("size", SIZES)
+def test_split_k_of_a_crowded_expert(size, monkeypatch):
+    """20 tokens on local expert 3, their other picks elsewhere, 16-row passes: the crowded loop's 64-row passes
+    (20 rows > 16) inside each K slice (at most 64 / 20 = 3 slices)."""
+    et = _et()
+    sh = _shape(size)
+    E, K, T = sh["E"], sh["K"], 20
+    others = torch.arange(E, (16 if size == "full" else 3) * E)
+    g = torch.Generator().manual_seed(75)
+    ids = torch.stack([torch.cat([torch.tensor([3]), others[torch.randperm(len(others), generator=g)[:K - 1]]])
+                       for _ in range(T)])
+    case = _case(T, **sh, ids=ids[:, torch.randperm(K, generator=g)], seed=75)
+    _check_split(et, case, 0, dataclasses.replace(_uneven(et, size), block_m=16), monkeypatch)
 
 
 @device_test
@@ -266,7 +299,7 @@ def test_capture_replays_another_split(monkeypatch):
     eager = et.routed_experts_triton(*case, 0, BETA, BETA_LIN)
     assert torch.equal(captured, eager)
     assert float(captured[0].abs().max()) > 0.1 and not captured[1:].any()
-    monkeypatch.setattr(et, "_situ_kernel", _Mutant(et._situ_kernel, args=lambda a: a[:3] + [float("nan")] + a[4:]))
+    monkeypatch.setattr(et, "_situ_kernel", _poisoned_slice_sum(et))
     assert torch.isnan(et.routed_experts_triton(*case, 0, BETA, BETA_LIN)[0]).all(), "no K split at two experts"
 
 

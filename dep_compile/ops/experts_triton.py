@@ -7,7 +7,7 @@ CUDA reads a copy re-packed in MMA order, ``ops/mxfp4_tiles.py``, whose first ca
 
 1. ``_count_kernel`` (grid ``E``): program ``e`` histograms the ``P = T*K`` ids by local expert; from it, the
    valid pairs of experts below ``e`` (its row offset), its own pairs, and its place among the touched
-   experts (``slot[place] = e``); it then writes its pair indices in pair order to ``order[offset ..]`` and
+   experts (``slot[place] = (e, its rows, its first row)``); it then writes its pair indices in pair order to ``order[offset ..]`` and
    each pair's row to ``row_of[pair]``. Rows are thus sorted by (expert, pair) exactly like stock's stable
    argsort. Program 0 writes ``meta = (touched experts, local pairs)``.
 2. ``_gemm1_kernel`` (grid ``(I / block_n, items)``): work item ``j`` is touched expert ``slot[j // S]``'s
@@ -272,10 +272,11 @@ def _weight_ptrs(w_ptr, s_ptr, e, rn, pid_n, stride_we, stride_wn, stride_se, st
 
 
 @triton.jit(do_not_specialize=["P", "expert_start", "E"])
-def _count_kernel(ids_ptr, counts_ptr, offsets_ptr, order_ptr, row_of_ptr, slot_ptr, meta_ptr, P, expert_start, E,
+def _count_kernel(ids_ptr, order_ptr, row_of_ptr, slot_ptr, meta_ptr, P, expert_start, E,
                   CHUNK: tl.constexpr, EP: tl.constexpr):
     """Expert e's row count, first row, its pairs in pair order, and its place among the touched experts
-    (ids [P] -> int32 counts [E], offsets [E], order [P], row_of [P], slot [E]; meta [2]: touched, pairs)."""
+    (ids [P] -> int32 order [P], row_of [P], slot [E, 3]: (expert, rows, first row) of the touched experts in
+    ascending order; meta [2]: touched experts, local pairs)."""
     e = tl.program_id(0)
     hist = tl.zeros([EP], dtype=tl.int32)  # valid pairs per local expert (EP >= E bins)
     for s in range(0, P, CHUNK):
@@ -290,7 +291,10 @@ def _count_kernel(ids_ptr, counts_ptr, offsets_ptr, order_ptr, row_of_ptr, slot_
         tl.store(meta_ptr, tl.sum((hist > 0).to(tl.int32), axis=0))
         tl.store(meta_ptr + 1, tl.sum(hist, axis=0))
     if mine > 0:
-        tl.store(slot_ptr + tl.sum(((hist > 0) & (bins < e)).to(tl.int32), axis=0), e)
+        record = slot_ptr + 3 * tl.sum(((hist > 0) & (bins < e)).to(tl.int32), axis=0)
+        tl.store(record, e)
+        tl.store(record + 1, mine)
+        tl.store(record + 2, before)
         run = before
         for s in range(0, P, CHUNK):
             i = s + tl.arange(0, CHUNK)
@@ -300,28 +304,31 @@ def _count_kernel(ids_ptr, counts_ptr, offsets_ptr, order_ptr, row_of_ptr, slot_
             tl.store(order_ptr + row, i, mask=hit > 0)
             tl.store(row_of_ptr + i, row, mask=hit > 0)
             run += tl.sum(hit, axis=0)
-    tl.store(counts_ptr + e, mine)
-    tl.store(offsets_ptr + e, before)
 
 
 @triton.jit
 def _slices(meta_ptr, N_TILES: tl.constexpr, STEPS: tl.constexpr, SLOTS: tl.constexpr, S_MAX: tl.constexpr,
             ROWS: tl.constexpr):
-    """(K slices S, local pairs): as many slices as fill ``SLOTS`` programs with ``N_TILES`` row tiles a touched
-    expert, at most ``S_MAX``, the ``STEPS`` K steps, and ``ROWS`` partial rows (S x local pairs); at least 1."""
+    """(K slices S, local pairs, touched experts): as many slices as fill ``SLOTS`` programs with ``N_TILES`` row
+    tiles a touched expert, at most ``S_MAX``, the ``STEPS`` K steps, and ``ROWS`` partial rows (S x local pairs);
+    at least 1."""
     touched = tl.load(meta_ptr)
     pairs = tl.load(meta_ptr + 1)
     s = tl.minimum(SLOTS // tl.maximum(touched * N_TILES, 1), ROWS // tl.maximum(pairs, 1))
-    return tl.maximum(tl.minimum(s, min(S_MAX, STEPS)), 1), pairs
+    return tl.maximum(tl.minimum(s, min(S_MAX, STEPS)), 1), pairs, touched
 
 
 @triton.jit
-def _item(slot_ptr, meta_ptr, S):
-    """(expert, K slice, whether it is touched) of this program's work item ``program_id(1)``."""
+def _item(slot_ptr, touched, S):
+    """(expert, its rows, its first row, K slice) of this program's work item ``program_id(1)``; 0 rows past the
+    touched experts."""
     j = tl.program_id(1)
-    live = j // S < tl.load(meta_ptr)
-    e = tl.load(slot_ptr + j // S, mask=live, other=0)
-    return e, j % S, live
+    live = j // S < touched
+    record = slot_ptr + 3 * (j // S)
+    e = tl.load(record, mask=live, other=0)
+    c = tl.load(record + 1, mask=live, other=0)
+    off = tl.load(record + 2, mask=live, other=0)
+    return e, c, off, j % S
 
 
 @triton.jit
@@ -365,7 +372,7 @@ def _gemm1_kernel(
     s13_ptr,  # MXFP4: E8M0 scales [E, 2I, Lat/32] uint8 (BF16: w13_ptr again, unread)
     act_ptr,  # [P, I] bf16 out, row = sorted pair position
     part_ptr,  # [SPLIT_ROWS, 2I] fp32 split-K partials (S > 1)
-    counts_ptr, offsets_ptr, order_ptr, slot_ptr, meta_ptr,  # int32 [E], [E], [P], [E], [2]
+    order_ptr, slot_ptr, meta_ptr,  # int32 [P], [E, 3], [2]
     stride_x, stride_we, stride_wn, stride_se, stride_sn, K_TOP, beta, beta_lin,
     LAT: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BIG_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, BIG_STAGES: tl.constexpr,
@@ -375,12 +382,10 @@ def _gemm1_kernel(
     """act[rows of expert e, n-tile] = SiTU(x[tokens] @ w13[e] gate / up tiles^T), BF16 (or one K slice's partials)."""
     pid_n = tl.program_id(0)
     STEPS: tl.constexpr = (LAT + BLOCK_K - 1) // BLOCK_K
-    S, pairs = _slices(meta_ptr, (INTER + BLOCK_N - 1) // BLOCK_N, STEPS, SLOTS, S_MAX, ROWS)
-    e, s, live = _item(slot_ptr, meta_ptr, S)
+    S, pairs, touched = _slices(meta_ptr, (INTER + BLOCK_N - 1) // BLOCK_N, STEPS, SLOTS, S_MAX, ROWS)
+    e, c, off, s = _item(slot_ptr, touched, S)
     k_lo = (s * STEPS // S) * BLOCK_K
     k_hi = ((s + 1) * STEPS // S) * BLOCK_K
-    c = tl.load(counts_ptr + e, mask=live, other=0)  # 0: no work
-    off = tl.load(offsets_ptr + e)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rn = tl.minimum(offs_n, INTER - 1).to(tl.int64)  # ragged last tile re-reads valid rows
     offs_k = tl.arange(0, BLOCK_K)
@@ -407,7 +412,7 @@ def _situ_kernel(part_ptr, act_ptr, meta_ptr, beta, beta_lin, INTER: tl.constexp
     """act[row, i-block] = SiTU of the BF16-rounded gate and up, each the sum of GEMM1's S > 1 K slices in slice
     order (part [ROWS, 2I] fp32 -> act [P, I] bf16); nothing where GEMM1 ran one slice."""
     r = tl.program_id(0)
-    S, pairs = _slices(meta_ptr, N_TILES, STEPS, SLOTS, S_MAX, ROWS)
+    S, pairs, _ = _slices(meta_ptr, N_TILES, STEPS, SLOTS, S_MAX, ROWS)
     if (S > 1) & (r < pairs):
         i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
         imask = i < INTER
@@ -452,7 +457,7 @@ def _gemm2_kernel(
     s2_ptr,  # MXFP4: E8M0 scales [E, Lat, I/32] uint8 (BF16: w2_ptr again, unread)
     tw_ptr,  # [T*K] routing weights
     ys_ptr,  # [max(P, SPLIT_ROWS), Lat] fp32 out: slice s of row r at s * pairs + r
-    counts_ptr, offsets_ptr, order_ptr, slot_ptr, meta_ptr,
+    order_ptr, slot_ptr, meta_ptr,
     stride_we, stride_wn, stride_se, stride_sn,
     LAT: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BIG_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, BIG_STAGES: tl.constexpr,
@@ -462,12 +467,10 @@ def _gemm2_kernel(
     """ys[rows of expert e, n-tile] = routing weight * (act[rows] @ w2[e] tile^T), FP32 (one K slice's)."""
     pid_n = tl.program_id(0)
     STEPS: tl.constexpr = (INTER + BLOCK_K - 1) // BLOCK_K
-    S, pairs = _slices(meta_ptr, (LAT + BLOCK_N - 1) // BLOCK_N, STEPS, SLOTS, S_MAX, ROWS)
-    e, s, live = _item(slot_ptr, meta_ptr, S)
+    S, pairs, touched = _slices(meta_ptr, (LAT + BLOCK_N - 1) // BLOCK_N, STEPS, SLOTS, S_MAX, ROWS)
+    e, c, off, s = _item(slot_ptr, touched, S)
     k_lo = (s * STEPS // S) * BLOCK_K
     k_hi = ((s + 1) * STEPS // S) * BLOCK_K
-    c = tl.load(counts_ptr + e, mask=live, other=0)
-    off = tl.load(offsets_ptr + e)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rn = tl.minimum(offs_n, LAT - 1).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
@@ -496,7 +499,7 @@ def _combine_kernel(ids_ptr, row_of_ptr, ys_ptr, out_ptr, meta_ptr, expert_start
                     STEPS: tl.constexpr, SLOTS: tl.constexpr, S_MAX: tl.constexpr, ROWS: tl.constexpr):
     """out[t, d-block] = 0 + the ys rows of token t's local pairs (each its GEMM2 slices summed in slice order),
     in ascending local expert id (FP32)."""
-    S, pairs = _slices(meta_ptr, N_TILES, STEPS, SLOTS, S_MAX, ROWS)
+    S, pairs, _ = _slices(meta_ptr, N_TILES, STEPS, SLOTS, S_MAX, ROWS)
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = d < LAT
@@ -620,18 +623,16 @@ def routed_experts_triton(
         (w13_t, s13), (w2_t, s2) = tiled  # [E, N tiles, K tiles, ...]: stride(1) steps a row tile
     ids = topk_ids.contiguous().view(-1)  # [P]
     tw = topk_weights.contiguous().view(-1)  # [P]
-    counts = torch.empty(E, dtype=torch.int32, device=dev)
-    offsets = torch.empty(E, dtype=torch.int32, device=dev)
     order = torch.empty(P, dtype=torch.int32, device=dev)  # sorted position -> pair
     row_of = torch.empty(P, dtype=torch.int32, device=dev)  # pair -> sorted position (local pairs)
-    slot = torch.empty(E, dtype=torch.int32, device=dev)  # touched experts, ascending
+    slot = torch.empty(E, 3, dtype=torch.int32, device=dev)  # touched experts, ascending: (expert, rows, first row)
     meta = torch.empty(2, dtype=torch.int32, device=dev)  # touched experts, local pairs
     act = torch.empty(P, inter, dtype=torch.bfloat16, device=dev)
     split = tactic.split_k > 1
     ys = torch.empty(max(P, SPLIT_ROWS) if split else P, lat, dtype=torch.float32, device=dev)
     part = torch.empty(SPLIT_ROWS, 2 * inter, dtype=torch.float32, device=dev) if split else ys
     chunk = 1024 if P <= 1024 else 2048  # two compiled variants; a masked lane costs next to nothing
-    _count_kernel[(E,)](ids, counts, offsets, order, row_of, slot, meta, P, int(expert_start), E, CHUNK=chunk,
+    _count_kernel[(E,)](ids, order, row_of, slot, meta, P, int(expert_start), E, CHUNK=chunk,
                         EP=max(2, triton.next_power_of_2(E)), num_warps=chunk // 256)
     bm = tactic.block_m or experts_block_m(T)
     big = max(bm, BIG_M)
@@ -645,16 +646,16 @@ def routed_experts_triton(
         return max(min(E, P), min(SPLIT_ROWS, rule["SLOTS"] // n_tiles)) if split else min(E, P)
 
     _gemm1_kernel[(tiles1, items(tiles1))](
-        x, w13_t, s13, act, part, counts, offsets, order, slot, meta, x.stride(0), w13_t.stride(0), w13_t.stride(1),
+        x, w13_t, s13, act, part, order, slot, meta, x.stride(0), w13_t.stride(0), w13_t.stride(1),
         s13.stride(0), s13.stride(1), K, float(beta), float(beta_lin), BLOCK_N=tactic.block_n1,
         **_pipeline(2 * tactic.block_n1, bm, big, tactic, mxfp4), **common)
     if split:
         block_i = min(1024, triton.next_power_of_2(inter))
         _situ_kernel[(SPLIT_ROWS, triton.cdiv(inter, block_i))](
-            part, act, meta, float(beta), float(beta_lin), INTER=inter, BLOCK_I=block_i, N_TILES=tiles1,
+            part, act, meta, beta=float(beta), beta_lin=float(beta_lin), INTER=inter, BLOCK_I=block_i, N_TILES=tiles1,
             STEPS=triton.cdiv(lat, tactic.block_k), **rule, num_warps=4)
     _gemm2_kernel[(tiles2, items(tiles2))](
-        act, w2_t, s2, tw, ys, counts, offsets, order, slot, meta, w2_t.stride(0), w2_t.stride(1), s2.stride(0),
+        act, w2_t, s2, tw, ys, order, slot, meta, w2_t.stride(0), w2_t.stride(1), s2.stride(0),
         s2.stride(1), BLOCK_N=tactic.block_n2, **_pipeline(tactic.block_n2, bm, big, tactic, mxfp4), **common)
     block_d = min(2048, triton.next_power_of_2(lat))
     _combine_kernel[(T, triton.cdiv(lat, block_d))](ids, row_of, ys, out, meta, int(expert_start), E, K_TOP=K,
