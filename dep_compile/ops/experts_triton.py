@@ -7,9 +7,9 @@ CUDA reads a copy re-packed in MMA order, ``ops/mxfp4_tiles.py``, whose first ca
 
 1. ``_count_kernel`` (grid ``E``): program ``e`` histograms the ``P = T*K`` ids by local expert; from it, the
    valid pairs of experts below ``e`` (its row offset), its own pairs, and its place among the touched
-   experts (``slot[place] = (e, its rows, its first row)``); it then writes its pair indices in pair order to ``order[offset ..]`` and
-   each pair's row to ``row_of[pair]``. Rows are thus sorted by (expert, pair) exactly like stock's stable
-   argsort. Program 0 writes ``meta = (touched experts, local pairs)``.
+   experts (``slot[place] = (e, its rows, its first row)``); it then writes its pair indices in pair order to
+   ``order[offset ..]`` and each pair's row to ``row_of[pair]``. Rows are thus sorted by (expert, pair)
+   exactly like stock's stable argsort. Program 0 writes ``meta = (touched experts, local pairs)``.
 2. ``_gemm1_kernel`` (grid ``(I / block_n, items)``): work item ``j`` is touched expert ``slot[j // S]``'s
    K slice ``j % S`` (items past the touched experts exit at once). ``acc_g, acc_u [block_n, block_m] =
    w13[e] gate/up tile @ x[tokens]^T`` (operands swapped so the weight tile is the MMA's M side and one row
@@ -42,6 +42,7 @@ The module imports Triton at import time: import it only where CUDA and Triton e
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import torch
@@ -319,16 +320,17 @@ def _slices(meta_ptr, N_TILES: tl.constexpr, STEPS: tl.constexpr, SLOTS: tl.cons
 
 
 @triton.jit
-def _item(slot_ptr, touched, S):
-    """(expert, its rows, its first row, K slice) of this program's work item ``program_id(1)``; 0 rows past the
-    touched experts."""
+def _item(slot_ptr, touched, S, STEPS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(expert, its rows, its first row, K slice, the slice's inputs k_lo .. k_hi) of this program's work item
+    ``program_id(1)``; 0 rows past the touched experts. Slice s holds K steps s * STEPS // S .. (s + 1) * STEPS // S."""
     j = tl.program_id(1)
     live = j // S < touched
     record = slot_ptr + 3 * (j // S)
     e = tl.load(record, mask=live, other=0)
     c = tl.load(record + 1, mask=live, other=0)
     off = tl.load(record + 2, mask=live, other=0)
-    return e, c, off, j % S
+    s = j % S
+    return e, c, off, s, (s * STEPS // S) * BLOCK_K, ((s + 1) * STEPS // S) * BLOCK_K
 
 
 @triton.jit
@@ -377,15 +379,12 @@ def _gemm1_kernel(
     LAT: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BIG_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, BIG_STAGES: tl.constexpr,
     MXFP4: tl.constexpr, PTX: tl.constexpr, TILES: tl.constexpr, INTERPRET: tl.constexpr,
-    SLOTS: tl.constexpr, S_MAX: tl.constexpr, ROWS: tl.constexpr,
+    N_TILES: tl.constexpr, STEPS: tl.constexpr, SLOTS: tl.constexpr, S_MAX: tl.constexpr, ROWS: tl.constexpr,
 ):
     """act[rows of expert e, n-tile] = SiTU(x[tokens] @ w13[e] gate / up tiles^T), BF16 (or one K slice's partials)."""
     pid_n = tl.program_id(0)
-    STEPS: tl.constexpr = (LAT + BLOCK_K - 1) // BLOCK_K
-    S, pairs, touched = _slices(meta_ptr, (INTER + BLOCK_N - 1) // BLOCK_N, STEPS, SLOTS, S_MAX, ROWS)
-    e, c, off, s = _item(slot_ptr, touched, S)
-    k_lo = (s * STEPS // S) * BLOCK_K
-    k_hi = ((s + 1) * STEPS // S) * BLOCK_K
+    S, pairs, touched = _slices(meta_ptr, N_TILES, STEPS, SLOTS, S_MAX, ROWS)
+    e, c, off, s, k_lo, k_hi = _item(slot_ptr, touched, S, STEPS, BLOCK_K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rn = tl.minimum(offs_n, INTER - 1).to(tl.int64)  # ragged last tile re-reads valid rows
     offs_k = tl.arange(0, BLOCK_K)
@@ -462,15 +461,12 @@ def _gemm2_kernel(
     LAT: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BIG_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, BIG_STAGES: tl.constexpr,
     MXFP4: tl.constexpr, PTX: tl.constexpr, TILES: tl.constexpr, INTERPRET: tl.constexpr,
-    SLOTS: tl.constexpr, S_MAX: tl.constexpr, ROWS: tl.constexpr,
+    N_TILES: tl.constexpr, STEPS: tl.constexpr, SLOTS: tl.constexpr, S_MAX: tl.constexpr, ROWS: tl.constexpr,
 ):
     """ys[rows of expert e, n-tile] = routing weight * (act[rows] @ w2[e] tile^T), FP32 (one K slice's)."""
     pid_n = tl.program_id(0)
-    STEPS: tl.constexpr = (INTER + BLOCK_K - 1) // BLOCK_K
-    S, pairs, touched = _slices(meta_ptr, (LAT + BLOCK_N - 1) // BLOCK_N, STEPS, SLOTS, S_MAX, ROWS)
-    e, c, off, s = _item(slot_ptr, touched, S)
-    k_lo = (s * STEPS // S) * BLOCK_K
-    k_hi = ((s + 1) * STEPS // S) * BLOCK_K
+    S, pairs, touched = _slices(meta_ptr, N_TILES, STEPS, SLOTS, S_MAX, ROWS)
+    e, c, off, s, k_lo, k_hi = _item(slot_ptr, touched, S, STEPS, BLOCK_K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rn = tl.minimum(offs_n, LAT - 1).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
@@ -528,10 +524,15 @@ def _combine_kernel(ids_ptr, row_of_ptr, ys_ptr, out_ptr, meta_ptr, expert_start
     tl.store(out_ptr + t * LAT + d, acc, mask=dmask)
 
 
+@functools.cache
+def _sms(device: torch.device) -> int:
+    """SMs of ``device`` (the interpreter counts an H200's)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else INTERPRETER_SMS
+
+
 def _slots(device: torch.device, tactic: ExpertsTactic) -> int:
-    """Programs the split rule fills: ``tactic.fill`` an SM (the interpreter counts an H200's SMs)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else INTERPRETER_SMS
-    return tactic.fill * sms
+    """Programs the split rule fills: ``tactic.fill`` an SM."""
+    return tactic.fill * _sms(device)
 
 
 def _tensors(w) -> tuple[torch.Tensor, torch.Tensor, bool]:
@@ -636,32 +637,35 @@ def routed_experts_triton(
                         EP=max(2, triton.next_power_of_2(E)), num_warps=chunk // 256)
     bm = tactic.block_m or experts_block_m(T)
     big = max(bm, BIG_M)
-    rule = dict(SLOTS=_slots(dev, tactic), S_MAX=tactic.split_k, ROWS=SPLIT_ROWS)
+    slots = _slots(dev, tactic)
     common = dict(LAT=lat, INTER=inter, BLOCK_M=bm, BIG_M=big, BLOCK_K=tactic.block_k, MXFP4=mxfp4,
                   PTX=mxfp4 and tactic.ptx_dequant and not _INTERPRET, TILES=bool(tiled), INTERPRET=_INTERPRET,
-                  num_warps=tactic.num_warps, **rule, **({"maxnreg": tactic.maxnreg} if tactic.maxnreg else {}))
-    tiles1, tiles2 = triton.cdiv(inter, tactic.block_n1), triton.cdiv(lat, tactic.block_n2)
+                  num_warps=tactic.num_warps, **({"maxnreg": tactic.maxnreg} if tactic.maxnreg else {}))
+    # the split rule of each GEMM (its row tiles and K steps), given alike to the kernel that sums its slices
+    rule1, rule2 = (dict(N_TILES=triton.cdiv(n, bn), STEPS=triton.cdiv(k, tactic.block_k), SLOTS=slots,
+                         S_MAX=tactic.split_k, ROWS=SPLIT_ROWS)
+                    for n, bn, k in ((inter, tactic.block_n1, lat), (lat, tactic.block_n2, inter)))
 
-    def items(n_tiles: int) -> int:  # work items: each touched expert once, or (expert, slice) where S > 1
-        return max(min(E, P), min(SPLIT_ROWS, rule["SLOTS"] // n_tiles)) if split else min(E, P)
+    def items(rule: dict) -> int:  # work items: each touched expert once, or (expert, slice) where S > 1
+        return max(min(E, P), min(SPLIT_ROWS, slots // rule["N_TILES"])) if split else min(E, P)
 
-    _gemm1_kernel[(tiles1, items(tiles1))](
+    _gemm1_kernel[(rule1["N_TILES"], items(rule1))](
         x, w13_t, s13, act, part, order, slot, meta, x.stride(0), w13_t.stride(0), w13_t.stride(1),
         s13.stride(0), s13.stride(1), K, float(beta), float(beta_lin), BLOCK_N=tactic.block_n1,
-        **_pipeline(2 * tactic.block_n1, bm, big, tactic, mxfp4), **common)
+        **_pipeline(2 * tactic.block_n1, bm, big, tactic, mxfp4), **common, **rule1)
     if split:
         block_i = min(1024, triton.next_power_of_2(inter))
         _situ_kernel[(SPLIT_ROWS, triton.cdiv(inter, block_i))](
-            part, act, meta, beta=float(beta), beta_lin=float(beta_lin), INTER=inter, BLOCK_I=block_i, N_TILES=tiles1,
-            STEPS=triton.cdiv(lat, tactic.block_k), **rule, num_warps=4)
-    _gemm2_kernel[(tiles2, items(tiles2))](
+            part, act, meta, beta=float(beta), beta_lin=float(beta_lin), INTER=inter, BLOCK_I=block_i, **rule1,
+            num_warps=4)
+    _gemm2_kernel[(rule2["N_TILES"], items(rule2))](
         act, w2_t, s2, tw, ys, order, slot, meta, w2_t.stride(0), w2_t.stride(1), s2.stride(0),
-        s2.stride(1), BLOCK_N=tactic.block_n2, **_pipeline(tactic.block_n2, bm, big, tactic, mxfp4), **common)
+        s2.stride(1), BLOCK_N=tactic.block_n2, **_pipeline(tactic.block_n2, bm, big, tactic, mxfp4), **common,
+        **rule2)
     block_d = min(2048, triton.next_power_of_2(lat))
     _combine_kernel[(T, triton.cdiv(lat, block_d))](ids, row_of, ys, out, meta, int(expert_start), E, K_TOP=K,
                                                      KP=max(2, triton.next_power_of_2(K)), LAT=lat,
-                                                     BLOCK_D=block_d, N_TILES=tiles2,
-                                                     STEPS=triton.cdiv(inter, tactic.block_k), **rule, num_warps=4)
+                                                     BLOCK_D=block_d, **rule2, num_warps=4)
     return out
 
 
