@@ -418,9 +418,10 @@ def _situ_kernel(part_ptr, act_ptr, meta_ptr, beta, beta_lin, INTER: tl.constexp
         row = part_ptr + r.to(tl.int64) * (2 * INTER) + i
         g = tl.load(row, mask=imask, other=0.0)
         u = tl.load(row + INTER, mask=imask, other=0.0)
-        for s in range(1, S):
-            g += tl.load(row + (s * pairs).to(tl.int64) * (2 * INTER), mask=imask, other=0.0)
-            u += tl.load(row + (s * pairs).to(tl.int64) * (2 * INTER) + INTER, mask=imask, other=0.0)
+        for s in tl.static_range(1, S_MAX):  # unrolled: the slices' loads in flight together (none past S)
+            smask = imask & ((i * 0 + S) > s)  # S broadcast first (the interpreter)
+            g += tl.load(row + (s * pairs).to(tl.int64) * (2 * INTER), mask=smask, other=0.0)
+            u += tl.load(row + (s * pairs).to(tl.int64) * (2 * INTER) + INTER, mask=smask, other=0.0)
         a = situ_fp32(g.to(tl.bfloat16).to(tl.float32), u.to(tl.bfloat16).to(tl.float32), beta, beta_lin)
         tl.store(act_ptr + r.to(tl.int64) * INTER + i, a.to(tl.bfloat16), mask=imask)
 
@@ -514,12 +515,12 @@ def _combine_kernel(ids_ptr, row_of_ptr, ys_ptr, out_ptr, meta_ptr, expert_start
         for r in tl.static_range(K_TOP):  # ascending local expert id, ties in slot order
             rr, m = _ranked_row(valid, rank, row, r, d, dmask)
             acc += tl.load(ys_ptr + rr * LAT + d, mask=m, other=0.0)
-    else:  # a loop (unrolled, every pair's first load is hoisted and the registers spill): slices in order first
-        for r in range(K_TOP):
+    else:  # a loop over the token's local pairs only; a pair's slices loaded together, added in slice order
+        for r in range(tl.sum(valid.to(tl.int32), axis=0)):  # valid pairs hold ranks 0 .. n - 1
             rr, m = _ranked_row(valid, rank, row, r, d, dmask)
             y = tl.load(ys_ptr + rr * LAT + d, mask=m, other=0.0)
-            for s in range(1, S):
-                y += tl.load(ys_ptr + (rr + s * pairs) * LAT + d, mask=m, other=0.0)
+            for s in tl.static_range(1, S_MAX):
+                y += tl.load(ys_ptr + (rr + s * pairs) * LAT + d, mask=m & ((d * 0 + S) > s), other=0.0)
             acc += y
     tl.store(out_ptr + t * LAT + d, acc, mask=dmask)
 
