@@ -407,10 +407,11 @@ def test_sparse_mla_latent_splits(splits):
 
 
 @pytest.mark.parametrize("extra", [0, 1])
-def test_select_rows_dispatch(extra):
-    """select_rows at TOPK_TRITON_MAX_N positions (the radix kernel: latent-cache rows through a
-    shuffled block table shared by q_len = 2 tokens a request) and one more (torch: positions):
-    the reference's select_topk on every row (random logits: no ties), rows with -inf tails."""
+def test_select_rows_dispatch(extra, monkeypatch):
+    """select_rows at TOPK_TRITON_MAX_N positions (the one-program kernel) and one more (the
+    many-programs kernel): latent-cache rows through a shuffled block table shared by q_len = 2
+    tokens a request, the reference's select_topk on every row (random logits: no ties), rows with
+    -inf tails."""
     dt = _dt()
     N, BS = dt.TOPK_TRITON_MAX_N + extra, 64
     g = torch.Generator().manual_seed(N)
@@ -420,12 +421,12 @@ def test_select_rows_dispatch(extra):
         x[t, v:] = float("-inf")
     mb = -(-N // BS)
     block_table = torch.randperm(2 * mb + 3, generator=g)[: 2 * mb].view(2, mb).to(torch.int32)
-    got, physical = dt.select_rows(x.to(_DEV), 2048, block_table.to(_DEV), 2, BS)
-    assert physical == (extra == 0)
+    chunked, real = [], dt.select_topk_chunked
+    monkeypatch.setattr(dt, "select_topk_chunked", lambda *a, **k: chunked.append(k) or real(*a, **k))
+    got = dt.select_rows(x.to(_DEV), 2048, block_table.to(_DEV), 2, BS)
+    assert len(chunked) == extra, "the many-programs kernel takes rows past TOPK_TRITON_MAX_N, and only those"
     for t, v in enumerate(vis):
-        want = select_topk(x[t, :v], 2048)
-        if physical:
-            want = dt.physical_rows(want[None], block_table[t // 2 : t // 2 + 1], 1, BS)[0]
+        want = dt.physical_rows(select_topk(x[t, :v], 2048)[None], block_table[t // 2 : t // 2 + 1], 1, BS)[0]
         assert torch.equal(got[t].cpu(), want), f"row {t}"
 
 

@@ -96,8 +96,8 @@ class PreparedDsa:
         An FP8 latent cache (``kv_scale`` given) is quantized by the latent insert and dequantized
         in the sparse MLA's loads (checked in Triton's interpreter only, not yet run on the H200).
         """
-        from .dsa_triton import (absorb_query, index_key_insert, index_logits, latent_insert, physical_rows,
-                                 select_rows, sparse_mla_decode_latent, uv_gate)
+        from .dsa_triton import (absorb_query, index_key_insert, index_logits, latent_insert, select_rows,
+                                 sparse_mla_decode_latent, uv_gate)
         from .norm_triton import rms_norm_fused
         from .sparse_mla import choose_sparse_mla, flashinfer_sparse_mla
 
@@ -115,8 +115,8 @@ class PreparedDsa:
             side.wait_event(inserted)
             logits = index_logits(q_idx, w_idx, index_cache, index_scale, block_table, seq_lens, slot_mapping,
                                   q_len)
-            # [T, topk] int32 selected positions (ascending), -1 padded, or the cache rows they live in
-            topk, physical = select_rows(logits, self.topk, block_table, q_len, kv_cache.shape[1])
+            # [T, topk] int32: the cache rows of the selected positions (ascending), -1 padded
+            rows = select_rows(logits, self.topk, block_table, q_len, kv_cache.shape[1])
             selected = torch.cuda.Event()
             selected.record(side)
         for t in (q_a, w_idx):
@@ -126,15 +126,14 @@ class PreparedDsa:
         w_uk, w_uv = split_kv_b(kv_b_w, self.heads, self.nope)  # [H, nope, L], [H, v, L]
         query = absorb_query(q, w_uk)  # [T, H, L+R] BF16
         main.wait_event(selected)
-        topk.record_stream(main)
+        rows.record_stream(main)
         if choose_sparse_mla(self.sparse_mla, kv_cache, heads=self.heads, kv_lora=self.kv_lora,
                              nope=self.nope) == "flashinfer":
-            rows = topk if physical else physical_rows(topk, block_table, q_len, kv_cache.shape[1])
             o_lat = flashinfer_sparse_mla(query, kv_cache, rows, slot_mapping, kv_lora=self.kv_lora, nope=self.nope,
                                           scale=self.scale)
         else:
-            o_lat = sparse_mla_decode_latent(query, kv_cache, block_table, topk, slot_mapping, q_len, self.kv_lora,
-                                             self.scale, block_n=min(64, self.topk), physical=physical,
+            o_lat = sparse_mla_decode_latent(query, kv_cache, block_table, rows, slot_mapping, q_len, self.kv_lora,
+                                             self.scale, block_n=min(64, self.topk), physical=True,
                                              kv_scale=kv_scale)
         return uv_gate(o_lat, w_uv, gate)  # o_lat: [T, H, L] BF16
 

@@ -14,10 +14,10 @@ capturable):
   tensor-core dot ``[q_len*Hi, Di] x [Di, BLOCK_N]`` a block of the FP8 values (as BF16:
   exact, with FP32 accumulation), ReLU, the folded head weights, the key scale. Positions
   after the token's own (and padding tokens) get ``-inf``.
-* :func:`select_rows`: the top-k positions, ascending, -1 padded: :func:`select_topk_triton`
-  (one program a row, the row held in registers: radix select on the float bits, 4 bits a pass,
-  then compaction in position order, stored as the latent-cache rows they live in) up to ``TOPK_TRITON_MAX_N``
-  positions, torch's top-k + sort (positions) beyond.
+* :func:`select_rows`: the top-k positions, ascending, -1 padded, stored as the latent-cache rows they
+  live in: :func:`select_topk_triton` (one program a row, the row held in registers: radix select on the
+  float bits, 4 bits a pass, then compaction in position order) up to ``TOPK_TRITON_MAX_N`` positions,
+  :func:`select_topk_chunked` (many programs a row) beyond.
 * :func:`sparse_mla_decode_latent`: absorbed MLA decode over each token's selected latent rows
   (given as cache rows, the sparse loop has no block-table load between the index and the row
   it gathers), flash-decoding style: the 96 query heads are tiled (``BLOCK_H`` heads per
@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 
 from ..stock.batched_attention import select_topk_positions
-from .topk_triton import select_topk_triton
+from .topk_triton import select_topk_chunked, select_topk_triton
 
 __all__ = ["absorb_query", "latent_insert", "index_key_insert", "index_logits", "select_topk_positions",
            "select_rows", "select_topk_triton", "physical_rows",
@@ -215,23 +215,31 @@ def index_logits(q_idx: torch.Tensor, weights: torch.Tensor, index_cache: torch.
 
 # Measured (bench_dsa_kernels.py, docs/perf.md): the one-program-a-row kernel beats torch's
 # top-k + sort up to 16K positions (11.6 vs 61-73 µs at 4K, 20.1 vs 77-94 at 8K, 38.3 vs 106-118
-# at 16K); at 32K it loses at 1 token (104 vs 85) and wins at 64 (104 vs 115): 16K is the switch.
+# at 16K); beyond, the many-programs-a-row kernel (27.5 / 28.6 µs at 1 x 32K / 128K against torch's
+# 85.3 / 95.1; 65.1 / 186.4 at 64 x 32K / 128K against 114.4 / 194.3, 2026-12-03): 16K is the switch.
 TOPK_TRITON_MAX_N = 16384
 
 
-def select_rows(logits: torch.Tensor, topk: int, block_table: torch.Tensor, q_len: int,
-                block_size: int) -> tuple[torch.Tensor, bool]:
-    """Each token's top-``topk`` positions (ascending, -1 padded) as [T, topk] int32, and whether
-    they are stored as latent-cache rows (``physical`` for :func:`sparse_mla_decode_latent`).
+def _chunk(tokens: int, n: int, device: torch.device) -> int:
+    """Entries a program of the many-programs top-k: 2048, or 4096 where 2048 would give more than four
+    programs an SM (1 x 32K-128K: 2048 measured faster, 64 x 32K-128K: 4096)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    return 2048 if tokens * triton.cdiv(n, 2048) <= 4 * sms else 4096
 
-    Up to ``TOPK_TRITON_MAX_N`` positions: the one-launch kernel, translating to cache rows as it
-    stores (free there, and it takes the block-table load out of the sparse MLA's loop). Longer
-    rows: torch's top-k + sort (measured faster there), positions kept: a translating launch
-    would sit on the indexer chain, the critical path at long context, and at 32K it measured
-    within run-to-run noise of positions (docs/perf.md, 2026-11-30)."""
-    if logits.shape[1] <= TOPK_TRITON_MAX_N:
-        return select_topk_triton(logits, topk, rows_of=(block_table, q_len, block_size)), True
-    return select_topk_positions(logits, topk), False
+
+def select_rows(logits: torch.Tensor, topk: int, block_table: torch.Tensor, q_len: int,
+                block_size: int) -> torch.Tensor:
+    """Each token's top-``topk`` positions (ascending, -1 padded), stored as the latent-cache rows they
+    live in: [T, topk] int32 for :func:`sparse_mla_decode_latent` with ``physical=True``.
+
+    Up to ``TOPK_TRITON_MAX_N`` positions the one-launch kernel, longer rows the many-programs kernel;
+    both translate to cache rows as they store (free there, and it takes the block-table load out of the
+    sparse MLA's loop)."""
+    T, N = logits.shape
+    if N <= TOPK_TRITON_MAX_N:
+        return select_topk_triton(logits, topk, rows_of=(block_table, q_len, block_size))
+    return select_topk_chunked(logits, topk, chunk=_chunk(T, N, logits.device), num_warps=8,
+                               rows_of=(block_table, q_len, block_size))
 
 
 @triton.jit

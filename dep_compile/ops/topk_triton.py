@@ -240,8 +240,8 @@ def select_topk_chunked(logits: torch.Tensor, topk: int, *, chunk: int = 4096, b
                         ) -> torch.Tensor:
     """:func:`select_topk_triton`'s result with ``chunk`` entries a program (a power of two): ``32 / bits`` radix
     passes (``bits`` 4 or 8), a count and a compaction launch. logits: [T, N] FP32 (unit inner stride) ->
-    [T, topk] int32; ``rows_of = (block_table, q_len, block_size)`` stores latent-cache rows. Not yet timed on
-    the H200 (``bench_dsa_kernels.py --kernels topk`` sweeps it); ``select_rows`` does not route to it."""
+    [T, topk] int32; ``rows_of = (block_table, q_len, block_size)`` stores latent-cache rows. ``select_rows``
+    takes it above 16K positions (timed by ``bench_dsa_kernels.py --kernels topk``)."""
     if bits not in (4, 8):  # the passes must resolve all 32 key bits; fewer bins cost more passes
         raise ValueError(f"radix digit width {bits} is not 4 or 8")
     if chunk < 16 or chunk & (chunk - 1):
