@@ -57,13 +57,16 @@ class KimiCache:
 
         def make(shape, dtype, count, layer_dim, device=device, pooled=pooled):
             # One pool with the layer index at ``layer_dim`` (plus a spare layer 0, so views
-            # have a storage offset); pooled caches are its strided views, others their copies.
+            # have a storage offset); pooled caches are its strided views on ``device``, others
+            # their copies, each made there from the host pool (no device pool: no 2x peak).
             full = list(shape)
             full.insert(layer_dim, count + 1)
             t = torch.randn(full, generator=g) if g is not None else torch.empty(full)
-            t = ((t * 0.5).to(dtype) if dtype != FP8 else t.mul(4).clamp(-8, 8).to(FP8)).to(device)
+            t = (t * 0.5).to(dtype) if dtype != FP8 else t.mul(4).clamp(-8, 8).to(FP8)
+            if pooled:
+                t = t.to(device)
             views = [t.select(layer_dim, j + 1) for j in range(count)]
-            return views if pooled else [v.clone() for v in views]
+            return views if pooled else [v.to(device, copy=True) for v in views]
 
         conv = make((num_slots, W - 1, 3 * H * D), torch.bfloat16, n_kda, 1)
         rec = make((num_slots, H, D, D), torch.float32, n_kda, 1)
