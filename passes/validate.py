@@ -42,10 +42,10 @@ CUDA_RMS_REL = 2.0 ** -7
 # of an e4m3 rounding boundary: ~1.3 % RMS where BF16 rounding noise is ~0.3 %. Measured on the H200 between
 # kimi_dep's FP8 split-K and stock's cuBLAS FP8 GEMMs: RMS 1.0 % and 1.5 % on K3.1's layers. Its RMS bound is 4x.
 CUDA_RMS_REL_FP8 = 2.0 ** -5
-# A cache stored as FP8 e4m3 codes (the DSA index keys, an FP8 latent) flips a code where a kernel's input is one
-# BF16 ulp off stock's at a rounding boundary: one code step, up to 2^-3 of the largest value (seen on the H200:
-# one step in the second binade of a 64-token probe, 16 / 448 = 0.0357 of the largest code, RMS 3e-4). Its CUDA
-# max bound is one step at the top; the RMS bound, as for every tensor, catches a kernel that moves many codes.
+# A cache stored as FP8 e4m3 codes (a family names them: ``Probe.fp8_stored``) flips a code where a kernel's input
+# is one BF16 ulp off stock's at a rounding boundary: one code step, up to 2^-3 of the largest value (seen on the
+# H200: one step in the second binade of a 64-token probe, 16 / 448 = 0.0357 of the largest code, RMS 3e-4). Its
+# CUDA max bound is one step at the top; the RMS bound, as for every tensor, catches a kernel that moves many codes.
 CUDA_MAX_REL_FP8_STORED = 2.0 ** -3
 PROBE_SIZE = 4  # a symbolic token count's free symbols, in a probe (or their hints, if smaller)
 
