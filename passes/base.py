@@ -131,8 +131,7 @@ class PassContext:
                prepared: Any, probe: Callable[[ProbeRandom], ProbeInputs],
                compared: Callable[[dict], dict] = compare_as_stored, pack: Sequence[tuple[list[Node], str]] = (),
                stops: Sequence[Node] = (), check: Callable[[set[Node]], None] | None = None,
-               span: str = "inside the layer", fp8_activations: bool = False,
-               fp8_stored: frozenset = frozenset()) -> Node:
+               span: str = "inside the layer", fp8_activations: bool = False) -> Node:
         """Check the region, observe the replacement on a random probe, then rewrite: the one way every
         pass changes the graph.
 
@@ -143,9 +142,8 @@ class PassContext:
         ``None``; ``prepared`` is then None too). ``probe`` builds the family's random probe inputs and
         ``compared`` says what of its caches to compare (``validate.Probe``). ``pack``: the weight groups
         to pack zero-copy once compile_fx returns. ``fp8_activations``: the layer quantizes activations to FP8
-        (its probe's CUDA RMS bound is ``validate.CUDA_RMS_REL_FP8``); ``fp8_stored``: the compared caches stored
-        as FP8 codes (CUDA max bound ``validate.CUDA_MAX_REL_FP8_STORED``). Nothing in the graph changes until
-        every check passed.
+        (its probe's CUDA RMS bound is ``validate.CUDA_RMS_REL_FP8``). Nothing in the graph changes until every
+        check passed.
         """
         region = self.verified_region(x, output, claimed, stops, span)
         self.check_region(region, output)
@@ -162,7 +160,7 @@ class PassContext:
         key_index = next((i for i, a in enumerate(args) if a is None), None)
         if self.options.validate:
             observed = validate.Probe(region, x, output, target, tuple(args), key_index, prepared, found.module,
-                                      probe, compared, fp8_activations, fp8_stored)
+                                      probe, compared, fp8_activations)
             t0 = time.perf_counter()
             try:
                 sig = validate.signature(observed)

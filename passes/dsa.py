@@ -215,9 +215,6 @@ def decisive_index(caches: dict, table: torch.Tensor, lens: list, q: int, g: tor
             t[blk[dst], off[dst]] = t[blk[src], off[src]]
 
 
-FP8_STORED = frozenset({"index_codes", "index_keys"})  # the compared caches always stored as FP8 codes
-
-
 def dequantized(caches: dict) -> dict:
     """The DSA caches to compare, by name: FP8 latent rows times their per-token scales; the index codes, and
     the index keys (codes times scales) but for the probe's ladder rows (``decisive_index``), whose keys of
@@ -373,7 +370,6 @@ class DsaPass(LayerPass):
             m.o_w, a["kv_cache"], *((a["kv_scale"],) if fp8 else ()), ia["index_cache"], ia["index_scale"],
             a["slot_mapping"], a["block_table"], ia["seq_lens"], a["q_len"], None, m.scales), prepared=prepared,
             probe=m.probe_inputs, compared=dequantized, fp8_activations=bool(m.scales),
-            fp8_stored=FP8_STORED | ({"kv_cache"} if fp8 else frozenset()),
             pack=[(m.pack, "DSA projection")] + ([(m.scales[:len(m.pack)], "DSA projection scales")] if m.scales else []))
         tactics = {p.name: p.policies(opts.batches) for p in (prepared.projection, prepared.o_proj)}
         return tagged(op, "fp8_block" if m.scales else None), tactics
