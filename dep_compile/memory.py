@@ -68,7 +68,8 @@ class RankMemory:
         return self.experts if self.experts_format == "mxfp4" else 0
 
     def requests_with_copy(self, usable: int) -> int:
-        """Requests whose caches fit beside the weights and kimi_dep's MXFP4 copy of every MoE layer."""
+        """Requests whose caches fit beside the weights and kimi_dep's MXFP4 copy of every MoE layer (``usable``
+        already less the reserve, which covers the 4 GiB the copy must leave free: ``mxfp4_tiles.RESERVE_BYTES``)."""
         return max(0, usable - self.weights - self.kernel_copy) // self.cache_per_request
 
 
