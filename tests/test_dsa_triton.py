@@ -431,11 +431,10 @@ def test_select_rows_dispatch(extra, monkeypatch):
 
 
 def test_select_rows_chunk():
-    """The many-programs top-k's chunk: 2048 entries a program up to four programs an SM (132 SMs in the
-    interpreter), 4096 beyond (measured faster at 64 x 32K-128K, slower at 1 x 32K-128K)."""
-    cpu = torch.device("cpu")
-    assert _dt()._chunk(1, 131072, cpu) == 2048 and _dt()._chunk(8, 131072, cpu) == 2048
-    assert _dt()._chunk(9, 131072, cpu) == 4096 and _dt()._chunk(64, 32768, cpu) == 4096
+    """The many-programs top-k's chunk: 2048 entries a program up to four programs an SM (an H200's 132),
+    4096 beyond (measured faster at 64 x 32K-128K, slower at 1 x 32K-128K)."""
+    assert _dt()._chunk(1, 131072, 132) == 2048 and _dt()._chunk(8, 131072, 132) == 2048
+    assert _dt()._chunk(9, 131072, 132) == 4096 and _dt()._chunk(64, 32768, 132) == 4096
 
 
 @pytest.mark.parametrize("splits", [None, 1])  # 1: the normalized BF16 output written directly (no combine)

@@ -220,10 +220,9 @@ def index_logits(q_idx: torch.Tensor, weights: torch.Tensor, index_cache: torch.
 TOPK_TRITON_MAX_N = 16384
 
 
-def _chunk(tokens: int, n: int, device: torch.device) -> int:
+def _chunk(tokens: int, n: int, sms: int) -> int:
     """Entries a program of the many-programs top-k: 2048, or 4096 where 2048 would give more than four
     programs an SM (1 x 32K-128K: 2048 measured faster, 64 x 32K-128K: 4096)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
     return 2048 if tokens * triton.cdiv(n, 2048) <= 4 * sms else 4096
 
 
@@ -236,10 +235,10 @@ def select_rows(logits: torch.Tensor, topk: int, block_table: torch.Tensor, q_le
     both translate to cache rows as they store (free there, and it takes the block-table load out of the
     sparse MLA's loop)."""
     T, N = logits.shape
+    rows_of = (block_table, q_len, block_size)
     if N <= TOPK_TRITON_MAX_N:
-        return select_topk_triton(logits, topk, rows_of=(block_table, q_len, block_size))
-    return select_topk_chunked(logits, topk, chunk=_chunk(T, N, logits.device), num_warps=8,
-                               rows_of=(block_table, q_len, block_size))
+        return select_topk_triton(logits, topk, rows_of=rows_of)
+    return select_topk_chunked(logits, topk, chunk=_chunk(T, N, _sm_count(logits)), num_warps=8, rows_of=rows_of)
 
 
 @triton.jit
