@@ -40,7 +40,7 @@ from .base import (Found, LayerPass, PassContext, check_bf16, check_only_user, c
                    packed_segments, probe_step, tagged)
 from .calls import call, constant, is_call, op_args, op_name, producer, require, shapes_of, single_user, val
 from .trees import factors, match_layer_norm, match_rms_norm
-from .validate import ProbeInputs, ProbeRandom
+from .validate import ProbeInputs, ProbeRandom, Quantized
 from .walkers import cast_to, linear, part_of, skip_identity, unview, upcast_from
 
 Node = torch.fx.Node
@@ -189,7 +189,6 @@ class DsaMatch:
 # causal offset still changes the rows.
 LADDER_BASE = 2.0 ** 20
 LADDER_STEP = 2.0 ** (1 / 32)
-LADDER_ROWS = LADDER_BASE / 2 ** 6  # below every ladder row's index scale (f / a multiple <= 32), far above a key's
 
 
 def decisive_index(caches: dict, table: torch.Tensor, lens: list, q: int, g: torch.Generator) -> None:
@@ -203,7 +202,7 @@ def decisive_index(caches: dict, table: torch.Tensor, lens: list, q: int, g: tor
     for b, n in enumerate(lens):
         p = torch.randperm(n - q, generator=g)  # the cached positions, shuffled
         half = (n - q) // 2
-        plus, minus = p[: n - q - half], p[n - q - half:]  # minus[i] pairs with plus[i]
+        plus = p[: n - q - half]  # the rest, p[len(plus) + i], pairs with plus[i]
         f = LADDER_BASE * LADDER_STEP ** torch.randperm(len(plus), generator=g).double()
         f = torch.cat([f, -f[:half]]).float()  # [n - q]
         mult = 2.0 ** torch.randint(0, 6, (n - q,), generator=g).float()  # keys up to 256 (e4m3: 448)
@@ -215,17 +214,13 @@ def decisive_index(caches: dict, table: torch.Tensor, lens: list, q: int, g: tor
             t[blk[dst], off[dst]] = t[blk[src], off[src]]
 
 
-def dequantized(caches: dict) -> dict:
-    """The DSA caches to compare, by name: FP8 latent rows times their per-token scales; the index codes, and
-    the index keys (codes times scales) but for the probe's ladder rows (``decisive_index``), whose keys of
-    2^15 and more would hide the O(1) keys the step writes (codes alone are not values)."""
-    out = {"kv_cache": caches[DsaCache.KV]}
+def as_quantized(caches: dict) -> dict:
+    """The DSA caches to compare, by name: the latent rows (FP8: codes with their per-token scales) and the
+    index keys, FP8 codes with their per-token scales (compared in code steps on the rows the step wrote)."""
+    kv = caches[DsaCache.KV]
     if DsaCache.KV_SCALE in caches:
-        out["kv_cache"] = caches[DsaCache.KV].float() * caches[DsaCache.KV_SCALE].float().unsqueeze(-1)
-    scale = caches[DsaCache.INDEX_SCALE].float().unsqueeze(-1)  # [NB, BS, 1]
-    out["index_codes"] = caches[DsaCache.INDEX].float()
-    out["index_keys"] = (caches[DsaCache.INDEX].float() * scale).masked_fill(scale.abs() >= LADDER_ROWS, 0)
-    return out
+        kv = Quantized(kv, caches[DsaCache.KV_SCALE])
+    return {"kv_cache": kv, "index_keys": Quantized(caches[DsaCache.INDEX], caches[DsaCache.INDEX_SCALE])}
 
 
 def find_dsa(ctx: PassContext, S: Node) -> DsaMatch:
@@ -369,7 +364,7 @@ class DsaPass(LayerPass):
             m.x, m.pack, m.q_a_norm_w, m.kv_a_norm_w, m.q_b_w, a["kv_b_weight"], m.wq_b_w, m.k_norm_w, m.k_norm_b,
             m.o_w, a["kv_cache"], *((a["kv_scale"],) if fp8 else ()), ia["index_cache"], ia["index_scale"],
             a["slot_mapping"], a["block_table"], ia["seq_lens"], a["q_len"], None, m.scales), prepared=prepared,
-            probe=m.probe_inputs, compared=dequantized, fp8_activations=bool(m.scales),
+            probe=m.probe_inputs, compared=as_quantized, fp8_activations=bool(m.scales),
             pack=[(m.pack, "DSA projection")] + ([(m.scales[:len(m.pack)], "DSA projection scales")] if m.scales else []))
         tactics = {p.name: p.policies(opts.batches) for p in (prepared.projection, prepared.o_proj)}
         return tagged(op, "fp8_block" if m.scales else None), tactics
