@@ -150,27 +150,30 @@ def _index_logits_kernel(q_ptr, wt_ptr, cache_ptr, scale_ptr, bt_ptr, seq_ptr, s
     q8 = tl.minimum(tl.maximum(q / q_scale[:, None], -448.0), 448.0).to(tl.float8e4nv).to(tl.bfloat16)
     w = tl.load(wt_ptr + rtok * stride_w_t + rh, mask=r_ok, other=0.0).to(tl.float32)
     w_fold = w * q_scale * w_const  # weights x q scale x Di^-1/2 x Hi^-1/2 (folded on the host)
-    for j in range(STEPS):  # STEPS blocks of BLOCK_N positions per program
-        n0 = (tl.program_id(1) * STEPS + j) * BLOCK_N
-        n = n0 + tl.arange(0, BLOCK_N)  # positions in the request
-        out_rows = out_ptr + tok.to(tl.int64)[:, None] * stride_out + n[None, :]
-        out_mask = tok_ok[:, None] & (n < N)[None, :]
-        if n0 > last:  # no token of the request sees this block (or every token is padding)
-            tl.store(out_rows, tl.full([QP, BLOCK_N], float("-inf"), tl.float32), mask=out_mask)
-        else:
-            n_ok = n < seq
-            blk = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + n // BS, mask=n_ok, other=0).to(tl.int64)
-            off = (n % BS).to(tl.int64)
-            k8 = tl.load(cache_ptr + blk[:, None] * stride_c_blk + off[:, None] * stride_c_off + d[None, :],
-                         mask=n_ok[:, None], other=0.0)
-            k_scale = tl.load(scale_ptr + blk * stride_s_blk + off * stride_s_off, mask=n_ok, other=0.0)
-            # [QP*HI, BLOCK_N] FP32. BF16 operands hold the FP8 values exactly and keep full FP32
-            # accumulation (Hopper's FP8 tensor-core dots accumulate with ~14 bits, DeepSeek-V3 §3.3).
-            dots = _mm(q8, tl.trans(k8.to(tl.bfloat16)), F32)
-            contrib = tl.maximum(dots, 0.0) * w_fold[:, None]
-            logits = tl.sum(tl.reshape(contrib, [QP, HI, BLOCK_N]), axis=1) * k_scale[None, :]
-            visible = live[:, None] & (n[None, :] <= pos[:, None])  # [QP, BLOCK_N]
-            tl.store(out_rows, tl.where(visible, logits, float("-inf")), mask=out_mask)
+    # STEPS blocks of BLOCK_N positions per program: first the `seen` ones some token of the request sees (up to
+    # `last`; a loop without a branch, so its loads are pipelined), then -inf for the rest (every token padding: all)
+    base = tl.program_id(1) * STEPS * BLOCK_N
+    seen = tl.minimum((tl.maximum(last + 1 - base, 0) + BLOCK_N - 1) // BLOCK_N, STEPS)
+    for j in range(seen):
+        n = base + j * BLOCK_N + tl.arange(0, BLOCK_N)  # positions in the request
+        n_ok = n < seq
+        blk = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + n // BS, mask=n_ok, other=0).to(tl.int64)
+        off = (n % BS).to(tl.int64)
+        k8 = tl.load(cache_ptr + blk[:, None] * stride_c_blk + off[:, None] * stride_c_off + d[None, :],
+                     mask=n_ok[:, None], other=0.0)
+        k_scale = tl.load(scale_ptr + blk * stride_s_blk + off * stride_s_off, mask=n_ok, other=0.0)
+        # [QP*HI, BLOCK_N] FP32. BF16 operands hold the FP8 values exactly and keep full FP32
+        # accumulation (Hopper's FP8 tensor-core dots accumulate with ~14 bits, DeepSeek-V3 §3.3).
+        dots = _mm(q8, tl.trans(k8.to(tl.bfloat16)), F32)
+        contrib = tl.maximum(dots, 0.0) * w_fold[:, None]
+        logits = tl.sum(tl.reshape(contrib, [QP, HI, BLOCK_N]), axis=1) * k_scale[None, :]
+        visible = live[:, None] & (n[None, :] <= pos[:, None])  # [QP, BLOCK_N]
+        tl.store(out_ptr + tok.to(tl.int64)[:, None] * stride_out + n[None, :],
+                 tl.where(visible, logits, float("-inf")), mask=tok_ok[:, None] & (n < N)[None, :])
+    for j in range(seen, STEPS):  # no token of the request sees these blocks
+        n = base + j * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(out_ptr + tok.to(tl.int64)[:, None] * stride_out + n[None, :],
+                 tl.full([QP, BLOCK_N], float("-inf"), tl.float32), mask=tok_ok[:, None] & (n < N)[None, :])
 
 
 def index_logits(q_idx: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor, index_scale: torch.Tensor,
@@ -184,8 +187,9 @@ def index_logits(q_idx: torch.Tensor, weights: torch.Tensor, index_cache: torch.
     seq_lens: [B] including this step's tokens; slot_mapping: [T]. Entries a token does not
     see (later positions, padding tokens) are ``-inf``. ``steps`` key blocks a program (default:
     (request, block) pairs // (8 x SMs), between 1 and 16: at 64 tokens x 4K one (22.3 µs; 7, the
-    old two-waves rule, lies between 4 and 16: 23.1 and 32.3), at 64 x 32K 15 (16: 147.6; 1:
-    161.5)); ``num_warps`` default: 8 below 16
+    old two-waves rule, lies between 4 and 16: 23.1 and 32.3), at 64 x 32K 15 (16: 125.8 µs, 8:
+    125.7, 32: 127.2, 1: 161.4; 256 positions a block: 133.5-152.4; 2026-12-03, after the seen
+    blocks' loop lost its branch: 147.6 before)); ``num_warps`` default: 8 below 16
     tokens, 4 from 16 (measured best at 1 token: 4.7 vs 5.0 µs, and at 64 tokens x 32K: 147 vs
     168 µs; the switch at 16 is not measured; docs/perf.md).
     """
