@@ -8,7 +8,8 @@ events over CUDA-graph replays (medians, ``common.time_graph``), every listed co
 * ``index_logits`` (keys per step, steps per program, warps, pipeline stages),
 * top-k: torch (``select_topk_positions``: topk + sort) against the one-launch radix select
   (``select_topk_triton``, chunk size, warps, radix digit width) and the many-programs-a-row one
-  (``topk_triton.select_topk_chunked``: entries a program, warps, digit width), each first checked against torch,
+  (``topk_triton.select_topk_chunked``: entries a program, warps, digit width), each first checked against torch
+  (``topk_chunked``: torch and the many-programs sweep only, without the one-program configs' long compiles),
 * ``sparse_mla_decode_latent`` over cache rows (heads per program, entries per step, warps,
   pipeline stages, splits of the selected entries), each first checked against the default,
 * ``per_head`` (once per token count): ``absorb_query`` and ``uv_gate`` by the output columns
@@ -93,8 +94,9 @@ def sweep_point(dt, T: int, ctx: int, kernels: set[str], quick: bool = False) ->
     topk_torch = lambda: dt.select_topk_positions(logits, TOPK)  # noqa: E731
     topk = topk_torch()
     assert torch.equal(dt.select_topk_triton(logits, TOPK), topk), "top-k kernels disagree"
-    if "topk" in kernels:
+    if kernels & {"topk", "topk_chunked"}:
         results += sweep("topk_torch", [{}], topk_torch, T * ctx * 4, T, ctx)
+    if "topk" in kernels:
         # 4096-entry chunks re-read every pass, or the whole row held in registers (block >= row)
         resident = max(4096, 1 << (ctx - 1).bit_length())
         configs = [{}] if quick else [dict(block=b, num_warps=w, bits=bits) for b in sorted({4096, resident})
@@ -103,9 +105,11 @@ def sweep_point(dt, T: int, ctx: int, kernels: set[str], quick: bool = False) ->
             assert torch.equal(dt.select_topk_triton(logits, TOPK, **cfg), topk), f"top-k {cfg} disagrees"
         results += sweep("topk_triton", configs, lambda **k: dt.select_topk_triton(logits, TOPK, **k), T * ctx * 4,
                          T, ctx)
+    if kernels & {"topk", "topk_chunked"}:
         from dep_compile.ops.topk_triton import select_topk_chunked  # noqa: PLC0415 - CUDA only
 
-        chunked = [dict(chunk=c, num_warps=w, bits=bits) for c in ((2048, 4096) if quick else (1024, 2048, 4096, 8192))
+        chunked = [dict(chunk=c, num_warps=w, bits=bits)
+                   for c in ((2048, 4096) if quick else (1024, 2048, 4096, 8192, 16384))
                    for w in ((8,) if quick else (4, 8, 16)) for bits in ((8,) if quick else (4, 8)) if c // (32 * w) >= 1]
         for cfg in chunked:  # many programs a row: the same entries
             assert torch.equal(select_topk_chunked(logits, TOPK, **cfg), topk), f"chunked top-k {cfg} disagrees"
@@ -165,7 +169,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--context", type=int, nargs="+", default=[4096, 32768])
     ap.add_argument("--kernels", nargs="+", default=["index_logits", "topk", "sparse_mla", "per_head"],
-                    choices=["index_logits", "topk", "sparse_mla", "per_head"])
+                    choices=["index_logits", "topk", "topk_chunked", "sparse_mla", "per_head"])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true", help="top-k: the defaults and two chunk sizes only; index logits: 6 tiles around the best")
     args = ap.parse_args()
