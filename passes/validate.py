@@ -47,9 +47,10 @@ CUDA_RMS_REL_FP8 = 2.0 ** -5
 # A cache stored as FP8 codes (:class:`Quantized`) is compared in code steps: two roundings of one value may
 # straddle an e4m3 rounding boundary and land one step (2^-3 of the value) apart. A BF16 ulp is 2^-4 of an e4m3
 # step, so where the kernels' input to the quantizer differs by an ulp in a fraction p of values, about p / 16
-# of the codes move (p ~ 0.3 measured: ~2 %). A quantizer rounding the wrong way moves half of them.
+# of the codes move (measured with the power-of-two quantizer: 2.0 % at p = 0.3, 6.3 % at p = 1; 1 % RMS noise
+# moves 9.6 %, within the FP8 layers' 2^-5 RMS value bound). A quantizer rounding the wrong way moves half.
 CODE_MAX_STEPS = 1.0
-CODE_MAX_MOVED = 2.0 ** -4  # of the written codes
+CODE_MAX_MOVED = 2.0 ** -3  # of the written codes
 PROBE_SIZE = 4  # a symbolic token count's free symbols, in a probe (or their hints, if smaller)
 
 
@@ -109,7 +110,8 @@ class ProbeInputs:
 
 @dataclasses.dataclass
 class Quantized:
-    """A cache stored as FP8 e4m3 codes with a scale a row, compared as values in code steps."""
+    """A cache stored as FP8 e4m3 codes with a power-of-two scale a row, compared as values in code steps (two
+    roundings of one row may differ by one doubling of its scale, not more)."""
 
     codes: torch.Tensor  # [..., D] float8_e4m3fn
     scales: torch.Tensor  # [...] FP32, one a row of D codes
@@ -167,7 +169,7 @@ class Verdict:
     def summary(self, module: str = "") -> str:
         rel = {k: e for k, e in self.errors.items() if e.unit == "rel"}
         worst = max(rel.items(), key=lambda kv: kv[1].max) if rel else ("-", Error(0.0, 0.0))
-        codes = "".join(f"; {k} {e.max:.0f} step at {e.spread:.1%} of written codes"
+        codes = "".join(f"; {k} {e.max:.2g} step at {e.spread:.1%} of written codes"
                         for k, e in self.errors.items() if e.unit == "steps" and e.max > 0)
         shared = f"; same structure as {self.module}, observed there" if module and module != self.module else ""
         return (f"probe {self.tokens} tokens: worst {worst[0]} max {worst[1].max:.2e} rms {worst[1].spread:.2e} "
@@ -304,12 +306,17 @@ def code_error(got: Quantized, ref: Quantized, before: Quantized) -> Error:
     """The largest difference of written FP8 values in code steps (the coarser of the two stored grids), and the
     fraction of written codes that moved."""
     g, r, b = got.values(), ref.values(), before.values()
-    if g.shape != r.shape or not torch.isfinite(g).all():
+    if g.shape != r.shape:
         return Error(math.inf, math.inf, "steps")
     wrote = (g != b) | (r != b)
     if not wrote.any():
         return Error(0.0, 0.0, "steps")
-    steps = (g - r).abs()[wrote] / torch.maximum(got.steps(), ref.steps())[wrote]
+    g, r = g[wrote], r[wrote]
+    if not (torch.isfinite(g).all() and torch.isfinite(r).all()):
+        return Error(math.inf, math.inf, "steps")
+    # the replacement's grid counts up to one doubling of stock's scale: a larger scale of its own is no unit
+    step = torch.minimum(torch.maximum(got.steps()[wrote], ref.steps()[wrote]), 2 * ref.steps()[wrote])
+    steps = (g - r).abs() / step
     return Error(steps.max().item(), (steps > 0).float().mean().item(), "steps")
 
 
@@ -389,7 +396,7 @@ def check(probe: Probe, gm: fx.GraphModule, real: dict, seed: int = 0) -> Verdic
         detail = ", ".join(f"{k} max {e.max:.3g} steps, {e.spread:.1%} of written codes moved" if e.unit == "steps"
                            else f"{k} max {e.max:.3g} rms {e.spread:.3g}" for k, e in bad.items())
         raise NoMatch(f"semantic check failed: the replacement differs from the stock layer on a random probe "
-                      f"({detail}; bound {bound:.3g} of the largest value"
+                      f"({detail}; bound {bound:.3g} of the largest written value"
                       f"{'' if on_cpu else f', rms {rms:.3g}'}; codes {CODE_MAX_STEPS:.0f} step at "
                       f"{CODE_MAX_MOVED:.1%})", probe.output)
     return verdict

@@ -1,0 +1,105 @@
+"""The probe's comparison of FP8-stored caches (``passes.validate.Quantized``, ``code_error``): written values in
+e4m3 code steps, at most one step, at most 1/8 of the written codes moved (docs/design.md §4.4).
+
+A cache of 80 rows of 128 codes with a power-of-two scale a row (as the DSA index keys); stock writes 64 of them.
+Roundings pass: one code a step off, a row whose amax crossed a power of two (its scale doubled, its codes
+requantized). Wrong writes fail: every code a step toward zero (beside filler rows of larger values), a row left
+unwritten, a row written to another slot, codes zeroed under a huge scale (the replacement's own grid is no unit),
+a NaN on either side.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dep_compile.passes.validate import CODE_MAX_MOVED, Quantized, _over, code_error
+
+F8 = torch.float8_e4m3fn
+T, D, NB = 64, 128, 80
+
+
+def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ``x`` as e4m3 codes with the smallest power-of-two scale that fits them (the stock quantizer)."""
+    scale = torch.exp2(torch.ceil(torch.log2(x.abs().amax(-1).clamp_min(1e-12) / 448)))
+    return (x / scale[:, None]).clamp(-448, 448).to(F8), scale
+
+
+class Case:
+    """A drawn cache, this step's keys and slots, and stock's write of them."""
+
+    def __init__(self, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.codes = (torch.randn(NB, D, generator=g) * 64).clamp(-448, 448).to(F8)  # filler: larger values
+        self.scales = torch.randn(NB, generator=g).abs() * 8 + 1
+        self.slots = torch.randperm(NB, generator=g)[:T]
+        self.x = torch.randn(T, D, generator=g)
+        self.before = Quantized(self.codes.clone(), self.scales.clone())
+        self.ref = self.write(*_quantize(self.x))
+
+    def write(self, codes: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor | None = None) -> Quantized:
+        c, s = self.codes.clone(), self.scales.clone()
+        c[self.slots if slots is None else slots], s[self.slots if slots is None else slots] = codes, scales
+        return Quantized(c, s)
+
+    def refused(self, got: Quantized, ref: Quantized | None = None) -> bool:
+        return _over(code_error(got, self.ref if ref is None else ref, self.before), on_cpu=True, rms=0.0)
+
+
+def _step_toward_zero(codes: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    """``codes`` with the nonzero ones at ``where`` one e4m3 step closer to zero."""
+    bits = codes.view(torch.uint8)
+    move = where & ((bits & 0x7F) > 0)
+    return (bits - move.to(torch.uint8)).view(F8)
+
+
+def test_roundings_pass():
+    c = Case()
+    codes, scales = _quantize(c.x)
+    assert code_error(c.write(codes, scales), c.ref, c.before).max == 0.0
+    one = torch.zeros(T, D, dtype=torch.bool)
+    one[3, 5] = True
+    e = code_error(c.write(_step_toward_zero(codes, one), scales), c.ref, c.before)
+    assert e.max == 1.0 and 0 < e.spread < CODE_MAX_MOVED and not c.refused(c.write(_step_toward_zero(codes, one),
+                                                                                         scales))
+    # row 0's amax an ulp above a power of two: its scale doubles, and its subnormal codes (values below 2^-6 of
+    # the scale, here 16 of them) fall on a grid twice as coarse
+    c.x[0, :16] = scales[0] * 2.0 ** -9 * torch.linspace(0.3, 7.7, 16)
+    c.ref = c.write(*_quantize(c.x))
+    codes, scales = _quantize(c.x)
+    doubled = codes.clone(), scales.clone()
+    doubled[1][0] *= 2
+    doubled[0][0] = (c.x[0] / doubled[1][0]).to(F8)
+    e = code_error(c.write(*doubled), c.ref, c.before)
+    assert 0 < e.max <= 1.0 and not c.refused(c.write(*doubled)), e
+
+
+def test_truncating_quantizer_refused_beside_larger_filler():
+    c = Case()
+    codes, scales = _quantize(c.x)
+    e = code_error(c.write(_step_toward_zero(codes, torch.ones(T, D, dtype=torch.bool)), scales), c.ref, c.before)
+    assert e.max == 1.0 and e.spread > 0.9 and e.spread > CODE_MAX_MOVED
+
+
+def test_wrong_writes_refused():
+    c = Case()
+    codes, scales = _quantize(c.x)
+    keep = torch.ones(T, dtype=torch.bool)
+    keep[7] = False  # row 7 not written
+    c_unwritten = c.codes.clone(), c.scales.clone()
+    c_unwritten[0][c.slots[keep]], c_unwritten[1][c.slots[keep]] = codes[keep], scales[keep]
+    assert c.refused(Quantized(*c_unwritten))
+    other = c.slots.clone()
+    other[7] = next(i for i in range(NB) if i not in set(c.slots.tolist()))  # row 7 to an unused slot
+    assert c.refused(c.write(codes, scales, other))
+    huge = codes.clone(), scales.clone()  # 4 rows: codes 0 under a scale of 1e6 (a step of ~2000 by its own grid)
+    huge[0][:4], huge[1][:4] = 0.0, 1e6
+    assert c.refused(c.write(*huge)), code_error(c.write(*huge), c.ref, c.before)
+
+
+def test_nan_on_either_side_refused():
+    c = Case()
+    codes, scales = _quantize(c.x)
+    nan_scales = scales.clone()
+    nan_scales[0] = float("nan")
+    assert c.refused(c.write(codes, nan_scales))
+    assert c.refused(c.write(codes, scales), ref=c.write(codes, nan_scales))
