@@ -315,7 +315,8 @@ def code_error(got: Quantized, ref: Quantized, before: Quantized) -> Error:
     if not (torch.isfinite(g).all() and torch.isfinite(r).all()):
         return Error(math.inf, math.inf, "steps")
     # the replacement's grid counts up to one doubling of stock's scale: a larger scale of its own is no unit
-    step = torch.minimum(torch.maximum(got.steps()[wrote], ref.steps()[wrote]), 2 * ref.steps()[wrote])
+    ref_step = ref.steps()[wrote]
+    step = torch.minimum(torch.maximum(got.steps()[wrote], ref_step), 2 * ref_step)
     steps = (g - r).abs() / step
     return Error(steps.max().item(), (steps > 0).float().mean().item(), "steps")
 

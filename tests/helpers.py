@@ -68,6 +68,13 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
                                               b.detach().cpu().contiguous().view(torch.uint8))
 
 
+def step_toward_zero(codes: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    """FP8 e4m3 ``codes`` with the nonzero ones at ``where`` one code step closer to zero."""
+    bits = codes.view(torch.uint8)
+    move = where & ((bits & 0x7F) > 0)
+    return (bits - move.to(torch.uint8)).view(codes.dtype)
+
+
 @dataclasses.dataclass
 class PairResult:
     logits_err: float

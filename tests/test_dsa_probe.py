@@ -27,7 +27,7 @@ import dep_compile
 import dep_compile.ops.dsa as dsa_ops
 from dep_compile.stock import preset
 
-from helpers import run_pair
+from helpers import run_pair, step_toward_zero
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -69,11 +69,13 @@ def _moved_toward_zero(index_cache: torch.Tensor, slots: torch.Tensor, codes: in
     """Move the written index codes (of the rows in ``slots``) one e4m3 step toward zero: the first ``codes``
     nonzero ones, or all of them (None): a rounding flip, or a quantizer that truncates."""
     flat = index_cache.view(-1, index_cache.shape[-1])
-    rows = flat[slots[slots >= 0].long()].view(torch.uint8)  # [T, Di]
-    nonzero = (rows & 0x7F) > 0
+    written = slots[slots >= 0].long()
+    rows = flat[written]  # [T, Di]
+    where = torch.ones(rows.shape, dtype=torch.bool, device=rows.device)
     if codes is not None:
-        nonzero &= nonzero.flatten().cumsum(0).view(nonzero.shape) <= codes
-    flat[slots[slots >= 0].long()] = (rows - nonzero.to(torch.uint8)).view(index_cache.dtype)
+        nonzero = (rows.view(torch.uint8) & 0x7F) > 0
+        where = nonzero.flatten().cumsum(0).view(nonzero.shape) <= codes
+    flat[written] = step_toward_zero(rows, where)
 
 
 def _written_codes_moved(monkeypatch, codes: int | None):

@@ -14,6 +14,8 @@ import torch
 
 from dep_compile.passes.validate import CODE_MAX_MOVED, Quantized, _over, code_error
 
+from helpers import step_toward_zero
+
 F8 = torch.float8_e4m3fn
 T, D, NB = 64, 128, 80
 
@@ -45,21 +47,14 @@ class Case:
         return _over(code_error(got, self.ref if ref is None else ref, self.before), on_cpu=True, rms=0.0)
 
 
-def _step_toward_zero(codes: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
-    """``codes`` with the nonzero ones at ``where`` one e4m3 step closer to zero."""
-    bits = codes.view(torch.uint8)
-    move = where & ((bits & 0x7F) > 0)
-    return (bits - move.to(torch.uint8)).view(F8)
-
-
 def test_roundings_pass():
     c = Case()
     codes, scales = _quantize(c.x)
     assert code_error(c.write(codes, scales), c.ref, c.before).max == 0.0
     one = torch.zeros(T, D, dtype=torch.bool)
     one[3, 5] = True
-    e = code_error(c.write(_step_toward_zero(codes, one), scales), c.ref, c.before)
-    assert e.max == 1.0 and 0 < e.spread < CODE_MAX_MOVED and not c.refused(c.write(_step_toward_zero(codes, one),
+    e = code_error(c.write(step_toward_zero(codes, one), scales), c.ref, c.before)
+    assert e.max == 1.0 and 0 < e.spread < CODE_MAX_MOVED and not c.refused(c.write(step_toward_zero(codes, one),
                                                                                          scales))
     # row 0's amax an ulp above a power of two: its scale doubles, and its subnormal codes (values below 2^-6 of
     # the scale, here 16 of them) fall on a grid twice as coarse
@@ -76,7 +71,7 @@ def test_roundings_pass():
 def test_truncating_quantizer_refused_beside_larger_filler():
     c = Case()
     codes, scales = _quantize(c.x)
-    e = code_error(c.write(_step_toward_zero(codes, torch.ones(T, D, dtype=torch.bool)), scales), c.ref, c.before)
+    e = code_error(c.write(step_toward_zero(codes, torch.ones(T, D, dtype=torch.bool)), scales), c.ref, c.before)
     assert e.max == 1.0 and e.spread > 0.9 and e.spread > CODE_MAX_MOVED
 
 
