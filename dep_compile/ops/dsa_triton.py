@@ -147,7 +147,7 @@ def _index_logits_kernel(q_ptr, wt_ptr, cache_ptr, scale_ptr, bt_ptr, seq_ptr, s
     q = tl.load(q_ptr + rtok[:, None] * stride_q_t + rh[:, None] * stride_q_h + d[None, :],
                 mask=r_ok[:, None], other=0.0).to(tl.float32)
     q_scale = _pow2_scale(tl.max(tl.abs(q), axis=1))  # [QP*HI]
-    q8 = tl.minimum(tl.maximum(q / q_scale[:, None], -448.0), 448.0).to(tl.float8e4nv).to(tl.bfloat16)
+    q8 = tl.minimum(tl.maximum(q / q_scale[:, None], -448.0), 448.0).to(tl.float8e4nv).to(tl.float16)
     w = tl.load(wt_ptr + rtok * stride_w_t + rh, mask=r_ok, other=0.0).to(tl.float32)
     w_fold = w * q_scale * w_const  # weights x q scale x Di^-1/2 x Hi^-1/2 (folded on the host)
     # STEPS blocks of BLOCK_N positions per program: first the `seen` ones some token of the request sees (up to
@@ -162,14 +162,15 @@ def _index_logits_kernel(q_ptr, wt_ptr, cache_ptr, scale_ptr, bt_ptr, seq_ptr, s
         k8 = tl.load(cache_ptr + blk[:, None] * stride_c_blk + off[:, None] * stride_c_off + d[None, :],
                      mask=n_ok[:, None], other=0.0)
         k_scale = tl.load(scale_ptr + blk * stride_s_blk + off * stride_s_off, mask=n_ok, other=0.0)
-        # [QP*HI, BLOCK_N] FP32. BF16 operands hold the FP8 values exactly and keep full FP32
-        # accumulation (Hopper's FP8 tensor-core dots accumulate with ~14 bits, DeepSeek-V3 §3.3).
-        dots = _mm(q8, tl.trans(k8.to(tl.bfloat16)), F32)
-        contrib = tl.maximum(dots, 0.0) * w_fold[:, None]
-        logits = tl.sum(tl.reshape(contrib, [QP, HI, BLOCK_N]), axis=1) * k_scale[None, :]
-        visible = live[:, None] & (n[None, :] <= pos[:, None])  # [QP, BLOCK_N]
-        tl.store(out_ptr + tok.to(tl.int64)[:, None] * stride_out + n[None, :],
-                 tl.where(visible, logits, float("-inf")), mask=tok_ok[:, None] & (n < N)[None, :])
+        # [BLOCK_N, QP*HI] FP32, keys the MMA's rows (a wgmma 64 rows tall; 32 heads as rows took mma.sync). FP16
+        # operands hold the FP8 values exactly (one conversion a pair; BF16 took three) and keep full FP32
+        # accumulation (Hopper's FP8 dots accumulate with ~14 bits, DeepSeek-V3 §3.3).
+        dots = _mm(k8.to(tl.float16), tl.trans(q8), F32)
+        contrib = tl.maximum(dots, 0.0) * w_fold[None, :]
+        logits = tl.sum(tl.reshape(contrib, [BLOCK_N, QP, HI]), axis=2) * k_scale[:, None]  # [BLOCK_N, QP]
+        visible = live[None, :] & (n[:, None] <= pos[None, :])
+        tl.store(out_ptr + tok.to(tl.int64)[None, :] * stride_out + n[:, None],
+                 tl.where(visible, logits, float("-inf")), mask=tok_ok[None, :] & (n < N)[:, None])
     for j in range(seen, STEPS):  # no token of the request sees these blocks
         n = base + j * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(out_ptr + tok.to(tl.int64)[:, None] * stride_out + n[None, :],
@@ -191,17 +192,18 @@ def index_logits(q_idx: torch.Tensor, weights: torch.Tensor, index_cache: torch.
     125.7, 32: 127.2, 1: 161.4; 256 positions a block: 133.5-152.4; 2026-12-03, after the seen
     blocks' loop lost its branch: 147.6 before)); ``num_warps`` default: 8 below 16
     tokens, 4 from 16 (measured best at 1 token: 4.7 vs 5.0 µs, and at 64 tokens x 32K: 147 vs
-    168 µs; the switch at 16 is not measured; docs/perf.md).
+    168 µs; the switch at 16 is not measured; docs/perf.md), and 8 where the query columns
+    (``q_len`` x heads, rounded up) exceed 64: 4 warps spill the [128, 128] FP32 dots at q = 4.
     """
     T, Hi, Di = q_idx.shape
-    num_warps = num_warps or (8 if T < 16 else 4)
+    qp = max(triton.next_power_of_2(q_len), triton.cdiv(16, Hi))  # tl.dot needs >= 16 query rows
+    num_warps = num_warps or (8 if T < 16 or qp * Hi > 64 else 4)
     B, MB = block_table.shape
     BS = index_cache.shape[1]
     N = MB * BS
     out = torch.empty(T, N, dtype=torch.float32, device=q_idx.device)
     if T == 0 or N == 0:
         return out
-    qp = max(triton.next_power_of_2(q_len), triton.cdiv(16, Hi))  # tl.dot needs >= 16 query rows
     blocks = triton.cdiv(N, block_n)
     if steps is None:  # several key blocks a program (queries quantized once) while the grid fills the GPU
         steps = max(1, min(16, B * blocks // (8 * _sm_count(q_idx))))

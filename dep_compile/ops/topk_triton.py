@@ -10,7 +10,8 @@ selected positions in position order, optionally stored as the latent-cache rows
 * :func:`select_topk_triton`: one program a row, the row held in registers up to 16K entries (re-read in chunks
   beyond): one launch.
 * :func:`select_topk_chunked`: many programs a row, ``chunk`` entries each, for rows too long for one program
-  (32K-128K): per pass each program adds its chunk's histogram to the row's (atomics) and the last to arrive
+  (32K-128K): per pass each program adds its chunk's histogram to the row's (atomics; an atomic an entry where
+  at most as many entries as bins still match the prefix) and the last to arrive
   picks the digit; then each program counts its chunk's entries above and at the threshold, and each
   compacts its chunk at the offset the earlier chunks' counts give. ``32 / BITS + 2`` launches, a small
   workspace, no host synchronisation (CUDA-graph capturable).
@@ -179,9 +180,14 @@ def _chunk_pass_kernel(x_ptr, hist_ptr, arrived_ptr, st_ptr, N, stride_x, K, C, 
     else:
         prefix = tl.load(st).to(tl.uint32, bitcast=True)
         pmask = tl.full([], 0xFFFFFFFF, tl.uint32) << (SHIFT + BITS)
-    hist = _digit_histogram(key, ok, prefix, pmask, SHIFT, NBINS)
     hrow = hist_ptr + t * NBINS + bins
-    tl.atomic_add(hrow, hist, mask=hist != 0)
+    match = ok & ((key & pmask) == prefix)
+    if tl.sum(match.to(tl.int32), axis=0) <= NBINS:  # few still match (after pass 0, most chunks): an atomic each
+        digit = ((key >> SHIFT) & (NBINS - 1)).to(tl.int32)
+        tl.atomic_add(hist_ptr + t * NBINS + digit, tl.full([CHUNK], 1, tl.int32), mask=match)
+    else:  # the chunk's histogram, an atomic a non-empty bin (never more atomics than the branch above)
+        hist = _digit_histogram(key, ok, prefix, pmask, SHIFT, NBINS)
+        tl.atomic_add(hrow, hist, mask=hist != 0)
     tl.debug_barrier()  # every thread's histogram atomics before the program's arrival (Triton 3.6 adds none itself)
     if tl.atomic_add(arrived_ptr + t, 1) == C - 1:  # acq_rel: every chunk's histogram is in
         hist = tl.atomic_xchg(hrow, tl.zeros([NBINS], tl.int32))  # read, and zeroed for the next pass
