@@ -79,7 +79,7 @@ def sweep(name: str, configs: list[dict], fn, nbytes: float, T: int, ctx: int, r
 def sweep_point(dt, T: int, ctx: int, kernels: set[str], quick: bool = False) -> list[dict]:
     """The sweeps of ``kernels`` at one (tokens, context) point (its tensors freed on return); ``quick``: top-k
     defaults and two chunk sizes only (each one-program config compiles for long at 128K), index logits 64 or 128
-    positions a block, 8 or 16 blocks a program, 4 or 8 warps."""
+    positions a block, 16 blocks a program, 4 or 8 warps, 2-4 stages."""
     c = make_case(T, ctx)
     key_bytes = T * ctx * (DI + 4)
     logits_fn = lambda **k: dt.index_logits(c["q_idx"], c["weights"], c["index_cache"], c["index_scale"],  # noqa: E731
@@ -87,7 +87,7 @@ def sweep_point(dt, T: int, ctx: int, kernels: set[str], quick: bool = False) ->
     results = []
     if "index_logits" in kernels:
         grid = [(b, s, w, ns) for b in (64, 128) for s in (1, 4, 16) for w in (4, 8) for ns in (2, 3)] if not quick \
-            else [(b, s, w, 2) for b in (64, 128) for s in (8, 16) for w in (4, 8)]  # around the full sweep's best
+            else [(b, 16, w, ns) for b in (64, 128) for w in (4, 8) for ns in (2, 3, 4)]  # around the full sweep's best
         results += sweep("index_logits", [dict(block_n=b, steps=s, num_warps=w, num_stages=ns) for b, s, w, ns in grid],
                          logits_fn, key_bytes, T, ctx)
     logits = logits_fn()
@@ -171,7 +171,7 @@ def main() -> None:
     ap.add_argument("--kernels", nargs="+", default=["index_logits", "topk", "sparse_mla", "per_head"],
                     choices=["index_logits", "topk", "topk_chunked", "sparse_mla", "per_head"])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--quick", action="store_true", help="top-k: the defaults and two chunk sizes only; index logits: 8 tiles around the best")
+    ap.add_argument("--quick", action="store_true", help="top-k: the defaults and two chunk sizes only; index logits: 12 tiles around the best")
     args = ap.parse_args()
     from dep_compile.ops import dsa_triton as dt  # noqa: PLC0415 - CUDA only
 

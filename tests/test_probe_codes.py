@@ -1,9 +1,11 @@
 """The probe's comparison of FP8-stored caches (``passes.validate.Quantized``, ``code_error``): written values in
-e4m3 code steps, at most one step, at most 1/8 of the written codes moved (docs/design.md §4.4).
+e4m3 code steps, at most one step (no step below a BF16 ulp of the row's largest value), at most 1/8 of the
+written codes moved (docs/design.md §4.4).
 
 A cache of 80 rows of 128 codes with a power-of-two scale a row (as the DSA index keys); stock writes 64 of them.
 Roundings pass: one code a step off, a row whose amax crossed a power of two (its scale doubled, its codes
-requantized). Wrong writes fail: every code a step toward zero (beside filler rows of larger values), a row left
+requantized), near-zero codes many fine steps off but within the row's ulp (a normalization's input an ulp
+apart). Wrong writes fail: every code a step toward zero (beside filler rows of larger values), a row left
 unwritten, a row written to another slot, codes zeroed under a huge scale (the replacement's own grid is no unit),
 a NaN on either side.
 """
@@ -12,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from dep_compile.passes.validate import CODE_MAX_MOVED, Quantized, _over, code_error
+import dep_compile.passes.validate as validate
+from dep_compile.passes.validate import CODE_MAX_MOVED, CODE_ROW_ULP, Quantized, _over, code_error
 
 from helpers import step_toward_zero
 
@@ -66,6 +69,34 @@ def test_roundings_pass():
     doubled[0][0] = (c.x[0] / doubled[1][0]).to(F8)
     e = code_error(c.write(*doubled), c.ref, c.before)
     assert 0 < e.max <= 1.0 and not c.refused(c.write(*doubled)), e
+
+
+def _near_zero_moved(c: Case, by: float) -> Quantized:
+    """Stock's write with row 3's first 8 values set near zero (fine e4m3 steps there), then moved by ``by`` row
+    ulps (``CODE_ROW_ULP`` of the row's largest value) and requantized."""
+    c.x[3, :8] = c.x[3].abs().max() * 2.0 ** -12 * torch.linspace(-1, 1, 8)
+    c.ref = c.write(*_quantize(c.x))
+    codes, scales = _quantize(c.x)
+    row = codes[3].float() * scales[3]
+    codes[3, :8] = ((row[:8] + by * CODE_ROW_ULP * row.abs().max()) / scales[3]).to(F8)
+    return c.write(codes, scales)
+
+
+def test_near_zero_codes_within_a_row_ulp_pass(monkeypatch):
+    """A one-ulp difference before a normalization moves its near-zero outputs by many fine e4m3 steps (H200, 64
+    requests x q = 2: 3 steps at 0.1 % of the index codes): within a row ulp they pass; without the floor they fail."""
+    c = Case()
+    got = _near_zero_moved(c, 0.9)
+    e = code_error(got, c.ref, c.before)
+    assert 0 < e.max <= 1.0 and not c.refused(got), e
+    monkeypatch.setattr(validate, "CODE_ROW_ULP", 0.0)
+    assert c.refused(got), code_error(got, c.ref, c.before)
+
+
+def test_near_zero_codes_past_a_row_ulp_refused():
+    c = Case()
+    got = _near_zero_moved(c, 2.5)
+    assert c.refused(got), code_error(got, c.ref, c.before)
 
 
 def test_truncating_quantizer_refused_beside_larger_filler():

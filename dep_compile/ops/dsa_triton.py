@@ -190,7 +190,8 @@ def index_logits(q_idx: torch.Tensor, weights: torch.Tensor, index_cache: torch.
     (request, block) pairs // (8 x SMs), between 1 and 16: at 64 tokens x 4K one (22.3 µs; 7, the
     old two-waves rule, lies between 4 and 16: 23.1 and 32.3), at 64 x 32K 15 (16: 125.8 µs, 8:
     125.7, 32: 127.2, 1: 161.4; 256 positions a block: 133.5-152.4; 2026-12-03, after the seen
-    blocks' loop lost its branch: 147.6 before)); ``num_warps`` default: 8 below 16
+    blocks' loop lost its branch: 147.6 before; with the keys as wgmma rows over FP16: 109.9, and 394.6 at
+    64 x 128K)); ``num_warps`` default: 8 below 16
     tokens, 4 from 16 (measured best at 1 token: 4.7 vs 5.0 µs, and at 64 tokens x 32K: 147 vs
     168 µs; the switch at 16 is not measured; docs/perf.md), and 8 where the query columns
     (``q_len`` x heads, rounded up) exceed 64: 4 warps spill the [128, 128] FP32 dots at q = 4.
@@ -222,7 +223,7 @@ def index_logits(q_idx: torch.Tensor, weights: torch.Tensor, index_cache: torch.
 # Measured (bench_dsa_kernels.py, docs/perf.md): the one-program-a-row kernel beats torch's
 # top-k + sort up to 16K positions (11.6 vs 61-73 µs at 4K, 20.1 vs 77-94 at 8K, 38.3 vs 106-118
 # at 16K); beyond, the many-programs-a-row kernel (27.5 / 28.6 µs at 1 x 32K / 128K against torch's
-# 85.3 / 95.1; 65.1 / 186.4 at 64 x 32K / 128K against 114.4 / 194.3, 2026-12-03): 16K is the switch.
+# 85.3 / 95.1; 65.4 / 163.9 at 64 x 32K / 128K against 114.8 / 192.5, 2026-12-03): 16K is the switch.
 TOPK_TRITON_MAX_N = 16384
 
 
