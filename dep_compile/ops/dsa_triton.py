@@ -154,10 +154,13 @@ def _index_logits_kernel(q_ptr, wt_ptr, cache_ptr, scale_ptr, bt_ptr, seq_ptr, s
     # `last`; a loop without a branch, so its loads are pipelined), then -inf for the rest (every token padding: all)
     base = tl.program_id(1) * STEPS * BLOCK_N
     seen = tl.minimum((tl.maximum(last + 1 - base, 0) + BLOCK_N - 1) // BLOCK_N, STEPS)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    n = base + tl.arange(0, BLOCK_N)  # positions in the request
+    blk = tl.load(bt_row + n // BS, mask=n < seq, other=0).to(tl.int64)
     for j in range(seen):
-        n = base + j * BLOCK_N + tl.arange(0, BLOCK_N)  # positions in the request
         n_ok = n < seq
-        blk = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + n // BS, mask=n_ok, other=0).to(tl.int64)
+        # the next block's cache blocks, read a block ahead: the key loads below wait on no load of their own step
+        blk_next = tl.load(bt_row + (n + BLOCK_N) // BS, mask=n + BLOCK_N < seq, other=0).to(tl.int64)
         off = (n % BS).to(tl.int64)
         k8 = tl.load(cache_ptr + blk[:, None] * stride_c_blk + off[:, None] * stride_c_off + d[None, :],
                      mask=n_ok[:, None], other=0.0)
@@ -171,6 +174,8 @@ def _index_logits_kernel(q_ptr, wt_ptr, cache_ptr, scale_ptr, bt_ptr, seq_ptr, s
         visible = live[None, :] & (n[:, None] <= pos[None, :])
         tl.store(out_ptr + tok.to(tl.int64)[None, :] * stride_out + n[:, None],
                  tl.where(visible, logits, float("-inf")), mask=tok_ok[None, :] & (n < N)[:, None])
+        n += BLOCK_N
+        blk = blk_next
     for j in range(seen, STEPS):  # no token of the request sees these blocks
         n = base + j * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(out_ptr + tok.to(tl.int64)[:, None] * stride_out + n[None, :],
@@ -180,7 +185,7 @@ def _index_logits_kernel(q_ptr, wt_ptr, cache_ptr, scale_ptr, bt_ptr, seq_ptr, s
 def index_logits(q_idx: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor, index_scale: torch.Tensor,
                  block_table: torch.Tensor, seq_lens: torch.Tensor, slot_mapping: torch.Tensor, q_len: int,
                  *, block_n: int = 128, steps: int | None = None, num_warps: int | None = None,
-                 num_stages: int = 2) -> torch.Tensor:
+                 num_stages: int = 3) -> torch.Tensor:
     """Indexer logits of every step token over its request's cached positions: [T, MB*BS] FP32.
 
     q_idx: [T, Hi, Di] BF16 (unit inner stride); weights: [T, Hi] (weights_proj output);
@@ -194,7 +199,10 @@ def index_logits(q_idx: torch.Tensor, weights: torch.Tensor, index_cache: torch.
     64 x 128K)); ``num_warps`` default: 8 below 16
     tokens, 4 from 16 (measured best at 1 token: 4.7 vs 5.0 µs, and at 64 tokens x 32K: 147 vs
     168 µs; the switch at 16 is not measured; docs/perf.md), and 8 where the query columns
-    (``q_len`` x heads, rounded up) exceed 64: 4 warps spill the [128, 128] FP32 dots at q = 4.
+    (``q_len`` x heads, rounded up) exceed 64: 4 warps spill the [128, 128] FP32 dots at q = 4. Three stages: two
+    key buffers, one block's keys loading while the last is computed (the block table is read a block ahead, so
+    Triton's pipeliner has a stage for the keys; 2 stages gave one buffer: 64 x 32K / 128K 109.8 / 399.1 -> 94.8 /
+    359.0 µs, 4 stages 107.4 / 387.8; 2026-12-03).
     """
     T, Hi, Di = q_idx.shape
     qp = max(triton.next_power_of_2(q_len), triton.cdiv(16, Hi))  # tl.dot needs >= 16 query rows
