@@ -40,7 +40,7 @@ from .base import (Found, LayerPass, PassContext, check_bf16, check_only_user, c
                    packed_segments, probe_step, tagged)
 from .calls import call, constant, is_call, op_args, op_name, producer, require, shapes_of, single_user, val
 from .trees import factors, match_layer_norm, match_rms_norm
-from .validate import ProbeInputs, ProbeRandom, Quantized
+from .validate import CODE_ROW_ULP, ProbeInputs, ProbeRandom, Quantized
 from .walkers import cast_to, linear, part_of, skip_identity, unview, upcast_from
 
 Node = torch.fx.Node
@@ -216,11 +216,13 @@ def decisive_index(caches: dict, table: torch.Tensor, lens: list, q: int, g: tor
 
 def as_quantized(caches: dict) -> dict:
     """The DSA caches to compare, by name: the latent rows (FP8: codes with their per-token scales) and the
-    index keys, FP8 codes with their per-token scales (compared in code steps on the rows the step wrote)."""
+    index keys, FP8 codes with their per-token scales (compared in code steps on the rows the step wrote; the
+    keys are a LayerNorm's output, so with the row floor)."""
     kv = caches[DsaCache.KV]
     if DsaCache.KV_SCALE in caches:
         kv = Quantized(kv, caches[DsaCache.KV_SCALE])
-    return {"kv_cache": kv, "index_keys": Quantized(caches[DsaCache.INDEX], caches[DsaCache.INDEX_SCALE])}
+    return {"kv_cache": kv,  # [c_kv | k_rope] under one scale: no row floor (k_rope would raise it over c_kv)
+            "index_keys": Quantized(caches[DsaCache.INDEX], caches[DsaCache.INDEX_SCALE], row_floor=CODE_ROW_ULP)}
 
 
 def find_dsa(ctx: PassContext, S: Node) -> DsaMatch:

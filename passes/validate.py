@@ -51,10 +51,12 @@ CUDA_RMS_REL_FP8 = 2.0 ** -5
 # moves 9.6 %, within the FP8 layers' 2^-5 RMS value bound). A quantizer rounding the wrong way moves half.
 CODE_MAX_STEPS = 1.0
 CODE_MAX_MOVED = 2.0 ** -3  # of the written codes
-# Where the quantizer's input comes out of a normalization (the index keys' LayerNorm), a one-ulp difference in
-# the normalization's input moves each output by up to 2^-8 of the row's largest value, however small the output:
+# Where a cache's whole row comes out of a normalization (a LayerNorm before a key quantizer), a one-ulp difference in
+# the normalization's input moves each output by about 2^-8 of the row's largest value, however small the output:
 # near zero the e4m3 grid is far finer than that (seen on the H200, 64 requests x q = 2: 3 steps, 0.1 % of the
-# codes). So a code step counts no less than this fraction of the row's largest written value.
+# codes). Such a cache (``Quantized.row_floor``) counts no code step below this fraction of the row's largest
+# written value. Not for rows with other parts under the same scale (an unnormalized part would raise the floor
+# over the normalized one).
 CODE_ROW_ULP = 2.0 ** -8
 PROBE_SIZE = 4  # a symbolic token count's free symbols, in a probe (or their hints, if smaller)
 
@@ -120,6 +122,7 @@ class Quantized:
 
     codes: torch.Tensor  # [..., D] float8_e4m3fn
     scales: torch.Tensor  # [...] FP32, one a row of D codes
+    row_floor: float = 0.0  # no code step counts below this fraction of its row's largest value (CODE_ROW_ULP)
 
     def values(self) -> torch.Tensor:
         return self.codes.float() * self.scales.float().unsqueeze(-1)
@@ -309,14 +312,14 @@ def cache_error(got: Any, ref: Any, before: Any) -> Error:
 
 def code_error(got: Quantized, ref: Quantized, before: Quantized) -> Error:
     """The largest difference of written FP8 values in code steps (the coarser of the two stored grids, at least
-    ``CODE_ROW_ULP`` of the row's largest value), and the fraction of written codes that moved."""
+    ``ref.row_floor`` of the row's largest value), and the fraction of written codes that moved."""
     g, r, b = got.values(), ref.values(), before.values()
     if g.shape != r.shape:
         return Error(math.inf, math.inf, "steps")
     wrote = (g != b) | (r != b)
     if not wrote.any():
         return Error(0.0, 0.0, "steps")
-    row_ulp = (r.abs().amax(-1, keepdim=True) * CODE_ROW_ULP).expand_as(r)[wrote]  # no unit is below it
+    row_ulp = (r.abs().amax(-1, keepdim=True) * ref.row_floor).expand_as(r)[wrote]  # no unit is below it
     g, r = g[wrote], r[wrote]
     if not (torch.isfinite(g).all() and torch.isfinite(r).all()):
         return Error(math.inf, math.inf, "steps")

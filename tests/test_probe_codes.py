@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 
-import dep_compile.passes.validate as validate
 from dep_compile.passes.validate import CODE_MAX_MOVED, CODE_ROW_ULP, Quantized, _over, code_error
 
 from helpers import step_toward_zero
@@ -32,19 +31,20 @@ def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Case:
     """A drawn cache, this step's keys and slots, and stock's write of them."""
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, row_floor: float = CODE_ROW_ULP):
         g = torch.Generator().manual_seed(seed)
         self.codes = (torch.randn(NB, D, generator=g) * 64).clamp(-448, 448).to(F8)  # filler: larger values
         self.scales = torch.randn(NB, generator=g).abs() * 8 + 1
         self.slots = torch.randperm(NB, generator=g)[:T]
         self.x = torch.randn(T, D, generator=g)
-        self.before = Quantized(self.codes.clone(), self.scales.clone())
+        self.row_floor = row_floor
+        self.before = Quantized(self.codes.clone(), self.scales.clone(), row_floor)
         self.ref = self.write(*_quantize(self.x))
 
     def write(self, codes: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor | None = None) -> Quantized:
         c, s = self.codes.clone(), self.scales.clone()
         c[self.slots if slots is None else slots], s[self.slots if slots is None else slots] = codes, scales
-        return Quantized(c, s)
+        return Quantized(c, s, self.row_floor)
 
     def refused(self, got: Quantized, ref: Quantized | None = None) -> bool:
         return _over(code_error(got, self.ref if ref is None else ref, self.before), on_cpu=True, rms=0.0)
@@ -72,8 +72,10 @@ def test_roundings_pass():
 
 
 def _near_zero_moved(c: Case, by: float) -> Quantized:
-    """Stock's write with row 3's first 8 values set near zero (fine e4m3 steps there), then moved by ``by`` row
-    ulps (``CODE_ROW_ULP`` of the row's largest value) and requantized."""
+    """Stock's write with row 3 (its largest value 2^-6 of the other rows': the floor is its own) and its first 8
+    values set near zero (fine e4m3 steps there), then moved by ``by`` row ulps (``CODE_ROW_ULP`` of the row's
+    largest value) and requantized."""
+    c.x[3] *= 2.0 ** -6 * c.x.abs().max() / c.x[3].abs().max()
     c.x[3, :8] = c.x[3].abs().max() * 2.0 ** -12 * torch.linspace(-1, 1, 8)
     c.ref = c.write(*_quantize(c.x))
     codes, scales = _quantize(c.x)
@@ -82,18 +84,21 @@ def _near_zero_moved(c: Case, by: float) -> Quantized:
     return c.write(codes, scales)
 
 
-def test_near_zero_codes_within_a_row_ulp_pass(monkeypatch):
+def test_near_zero_codes_within_a_row_ulp_pass():
     """A one-ulp difference before a normalization moves its near-zero outputs by many fine e4m3 steps (H200, 64
-    requests x q = 2: 3 steps at 0.1 % of the index codes): within a row ulp they pass; without the floor they fail."""
+    requests x q = 2: 3 steps at 0.1 % of the index codes): within a row ulp they pass where the cache has the row
+    floor (the index keys); without it (the latent rows) they fail."""
     c = Case()
     got = _near_zero_moved(c, 0.9)
     e = code_error(got, c.ref, c.before)
     assert 0 < e.max <= 1.0 and not c.refused(got), e
-    monkeypatch.setattr(validate, "CODE_ROW_ULP", 0.0)
+    c = Case(row_floor=0.0)
+    got = _near_zero_moved(c, 0.9)
     assert c.refused(got), code_error(got, c.ref, c.before)
 
 
 def test_near_zero_codes_past_a_row_ulp_refused():
+    """Past the row's own ulp (a floor from the largest row of the cache would pass it: 64 times larger)."""
     c = Case()
     got = _near_zero_moved(c, 2.5)
     assert c.refused(got), code_error(got, c.ref, c.before)

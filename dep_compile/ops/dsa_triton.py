@@ -11,7 +11,7 @@ capturable):
 * :func:`index_logits`: one program per (request, run of key blocks) scores every step token
   of the request against the blocks' FP8 keys, loaded once for all ``q_len`` tokens: the
   queries are quantized in-kernel once per program (per-head power-of-two scale), one
-  tensor-core dot ``[q_len*Hi, Di] x [Di, BLOCK_N]`` a block of the FP8 values (as BF16:
+  tensor-core dot ``[BLOCK_N, Di] x [Di, q_len*Hi]`` a block of the FP8 values (as FP16:
   exact, with FP32 accumulation), ReLU, the folded head weights, the key scale. Positions
   after the token's own (and padding tokens) get ``-inf``.
 * :func:`select_rows`: the top-k positions, ascending, -1 padded, stored as the latent-cache rows they
@@ -77,8 +77,8 @@ def _pow2_scale(amax):
 
 @triton.jit
 def _mm(a, b, F32: tl.constexpr):
-    """a @ b with FP32 accumulation; BF16 tensor cores, or FP32 operands in Triton's interpreter
-    (whose BF16 dot is wrong: BF16 values are exact in FP32, so the result is the same up to order)."""
+    """a @ b with FP32 accumulation; BF16 / FP16 tensor cores, or FP32 operands in Triton's interpreter
+    (whose BF16 dot is wrong: 16-bit values are exact in FP32, so the result is the same up to order)."""
     if F32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32))
     return tl.dot(a, b)
