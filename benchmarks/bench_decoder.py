@@ -6,15 +6,17 @@
     torchrun --nproc-per-node 2 benchmarks/bench_decoder.py ...   # DEP2: each GPU its own requests, half the experts
 
 A full-depth DEP32 rank of K3.1 (all 93 layers, 28 local experts a MoE layer, MXFP4 experts, FP8 dense):
-``--layers 93 --local-experts 28 --dense fp8_block --sides kimi_dep --no-parity``; the built model's bytes are
-printed beside ``dep_compile.memory``'s table for that DEP size.
+``--layers 93 --local-experts 28 --dense fp8_block --experts-layout tiles --sides kimi_dep --no-parity``; the
+built model's bytes are printed beside ``dep_compile.memory``'s table for that DEP size.
 
 The model: ``preset("k31", num_layers=--layers)`` with ``--experts`` routed experts (default the
 slice of issue 17: [KDA + dense MLP, KDA, KDA, DSA], 3 MoE layers of 64 experts top-16, lm_head),
 or with ``--local-experts N`` an EP16 rank's shape: a router over 896 experts and N local experts
 (ids owned by other ranks add nothing). Random weights, drawn on the device: BF16 (``--dense fp8_block``: the
 projections FP8 block-scaled, e4m3 codes and scales), and the routed experts in the preset's format (MXFP4 as
-K3 ships them) or ``--experts-format``.
+K3 ships them) or ``--experts-format``. MXFP4 experts stay in the checkpoint's layout (stock reads that; kimi_dep
+makes its re-packed copy where memory allows) unless ``--experts-layout tiles`` re-packs them in place, as the
+loaders do on CUDA (stock then reads the tiles).
 
 Per point (``rows`` requests x ``q`` tokens, ``context`` tokens per request after the step), in
 one process: eager stock, stock compiled by plain Inductor, and the ``kimi_dep``-compiled model,
@@ -74,7 +76,7 @@ from roofline import local_ids, step_roofline  # noqa: E402
 
 import dep_compile  # noqa: E402
 from dep_compile.debug.parity import decisive_routing, record_routing, routing_agreement  # noqa: E402
-from dep_compile.stock import KimiCache, RequestBatch, preset  # noqa: E402
+from dep_compile.stock import KimiCache, RequestBatch, preset, tile_experts_  # noqa: E402
 from dep_compile.stock.cache import max_cache_difference  # noqa: E402
 from dep_compile.stock.config import LATENT_CACHE_DTYPES  # noqa: E402
 from dep_compile.stock.model import KimiK3ForCausalLM  # noqa: E402
@@ -415,6 +417,8 @@ def parse_args(argv=None):
     ap.add_argument("--experts", type=int, default=64, help="routed experts (router and local)")
     ap.add_argument("--experts-format", choices=["bf16", "mxfp4"], default=None,
                     help="the routed experts' weights (default: the preset's; k3 / k31 ship MXFP4)")
+    ap.add_argument("--experts-layout", choices=["checkpoint", "tiles"], default="checkpoint",
+                    help="MXFP4 experts: the checkpoint's layout, or tiles made in place as the loaders do on CUDA")
     ap.add_argument("--dense", choices=["bf16", "fp8_block"], default=None,
                     help="dense projections' format (default: the preset's)")
     ap.add_argument("--latent-cache", choices=LATENT_CACHE_DTYPES, default="bfloat16",
@@ -470,6 +474,9 @@ def main(argv=None) -> list[dict]:
         held = next(layer.mlp.experts.num_local for layer in model.model.layers if hasattr(layer.mlp, "experts"))
         local = f" (DEP{ranks}: rank {rank} holds {held}" + (
             f"; link {args.link_bps / 1e9:.0f} GB/s)" if args.link_bps else ")")
+    if args.experts_layout == "tiles":  # after sharding: each rank re-packs its own experts in place
+        untiled = {name: why for name, why in tile_experts_(model).items() if why}
+        local += f"; MXFP4 tiles made in place ({len(untiled)} modules kept the checkpoint's layout)"
     print(f"model: {cfg.name}, {args.layers} layers {[l.kind for l in model.model.layers]}, {experts} "
           f"{cfg.experts_format} experts{local}, {cfg.dense_format} dense, {cfg.latent_cache_dtype} latent cache; "
           f"built in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -477,6 +484,7 @@ def main(argv=None) -> list[dict]:
     points: list[dict] = []
     meta = dict(memory=memory, preset=cfg.name, layers=args.layers, experts=experts, experts_format=cfg.experts_format,
                 dense_format=cfg.dense_format, latent_cache=cfg.latent_cache_dtype, local_experts=args.local_experts,
+                experts_layout=args.experts_layout,
                 ep=ranks, decisive=args.decisive,
                 link_bps=args.link_bps,
                 command="python benchmarks/bench_decoder.py " + " ".join(sys.argv[1:] if argv is None else argv))

@@ -61,17 +61,6 @@ class RankMemory:
         """Requests whose caches fit beside the weights in ``usable`` bytes (0 when the weights do not fit)."""
         return max(0, usable - self.weights) // self.cache_per_request
 
-    @property
-    def kernel_copy(self) -> int:
-        """Bytes of kimi_dep's re-packed copy of this rank's MXFP4 experts (ops/mxfp4_tiles.py: as many again);
-        0 for BF16 experts, which the kernels read in place."""
-        return self.experts if self.experts_format == "mxfp4" else 0
-
-    def requests_with_copy(self, usable: int) -> int:
-        """Requests whose caches fit beside the weights and kimi_dep's MXFP4 copy of every MoE layer (``usable``
-        already less the reserve, which covers the 4 GiB the copy must leave free: ``mxfp4_tiles.RESERVE_BYTES``)."""
-        return max(0, usable - self.weights - self.kernel_copy) // self.cache_per_request
-
 
 @functools.cache
 def weight_bytes(cfg: K3Config, dense: str = "bf16") -> tuple[int, int]:
@@ -112,15 +101,14 @@ def rank_memory(cfg: K3Config, dep: int, context: int, dense: str = "bf16") -> R
 def table(rows: list[RankMemory], usable: int) -> str:
     """A Markdown table of ``rows`` in GB, with how many requests fit in ``usable`` bytes."""
     lines = ["| DEP | experts | dense | non-expert GB | experts GB / rank | weights GB | left GB | requests | "
-             "latent cache | cache GB / request | requests with kimi_dep's MXFP4 copy |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "latent cache | cache GB / request |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         left = usable - r.weights
         fits = f"{r.requests(usable)}" if left > 0 else "does not fit"
-        copy = f"{r.requests_with_copy(usable)}" if left > r.kernel_copy else "does not fit"
         lines.append(f"| {r.dep} | {r.experts_format} | {r.dense_format} | {r.non_expert / GB:.1f} | "
                      f"{r.experts / GB:.1f} | {r.weights / GB:.1f} | {left / GB:.1f} | {fits} | {r.latent_cache} | "
-                     f"{r.cache_per_request / GB:.3f} | {copy if r.kernel_copy else '-'} |")
+                     f"{r.cache_per_request / GB:.3f} |")
     return "\n".join(lines)
 
 
@@ -146,9 +134,9 @@ def report(cfg: K3Config, deps: list[int], context: int, experts: list[str], den
         f"HBM {hbm / GB:.1f} GB, usable {usable / GB:.1f} GB (reserve {reserve / GB:.1f} GB); GB = 1e9 bytes",
         "", table(rows, usable), "",
         "fits: " + ("; ".join(fit) if fit else "none of these"),
-        "kimi_dep's fast MXFP4 experts kernels read a re-packed copy of a layer's experts (as many bytes again), made"
-        " at its first call while that leaves 4 GiB free; layers without one run the kernels on the checkpoint's"
-        " layout, 1.6-1.9x slower (docs/perf.md, 'Full-depth DEP32 rank').",
+        "MXFP4 experts: kimi_dep's kernels read tiles that the loaders make on CUDA in the checkpoint's own storage"
+        " (no more bytes; docs/mxfp4.md). Weights left in the checkpoint's layout get a re-packed copy at their first"
+        " call (as many bytes again) while that leaves 4 GiB free, else run 1.6-1.9x slower.",
     ])
 
 

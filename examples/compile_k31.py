@@ -39,7 +39,7 @@ from dep_compile.config import CUBLAS_ONLY
 from dep_compile.debug import parity
 from dep_compile.integrations.checkpoint import load_stock_model
 from dep_compile.tactics import DEP_OPROJ, DEP_PROJECTION
-from dep_compile.stock import KimiCache, RequestBatch, build_model, preset
+from dep_compile.stock import KimiCache, RequestBatch, build_model, preset, tile_experts_
 from dep_compile.stock.cache import cache_differences
 
 
@@ -72,6 +72,8 @@ def main() -> None:
         cfg = preset(args.preset, **({"experts_format": args.experts} if args.experts else {}),
                      **({"dense_format": args.dense} if args.dense else {}))
         model = build_model(cfg, seed=0, device=args.device)
+    if args.device != "cpu":  # MXFP4 experts: the tiles kimi_dep's kernels read, made in place (as vLLM loads them)
+        tile_experts_(model)
     cache = KimiCache.allocate(cfg, num_slots=2 * args.batch, num_blocks=16 * args.batch, block_size=8,
                                device=args.device)
     measured = args.tables == "measured" or (args.tables == "auto" and args.device != "cpu")

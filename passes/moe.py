@@ -26,7 +26,8 @@ import torch
 from dep_compile.ops.moe import EpMoeLayer
 from dep_compile.ops.projection import DepProjection
 from dep_compile.ops.shapes import size_hint
-from dep_compile.stock.mxfp4 import GROUP, group_size, random_mxfp4
+from dep_compile.stock.mxfp4 import GROUP, Mxfp4Weight, group_size, random_mxfp4
+from dep_compile.stock.mxfp4_tiles import Mxfp4Tiles, as_mxfp4, check_tiles, tile_mxfp4
 
 from .base import Found, LayerPass, PassContext, check_bf16, dense_scales, packed_segments, tagged
 from .calls import NoMatch, bind, call, constant, dtype_of, is_call, last_dim, op_args, op_name, require, scalar, val
@@ -188,38 +189,64 @@ class MoeMatch:
     claimed: set
     experts: tuple  # the experts' weight nodes: (w13, w2), or MXFP4 (w13 codes, scales, w2 codes, scales)
     mxfp4: bool
+    layout: str | None  # MXFP4: "checkpoint", or the tiles made at load time ("tiles 64x128")
     scales: list  # FP8 block-scaled projections: their scales [gate_up, latent down, up, shared down]; empty: BF16
     front_segments: tuple | None  # FP8: the packed front's row segments (None: BF16)
 
     def probe_inputs(self, rng: ProbeRandom) -> ProbeInputs:
-        """A random layer input for the probe, and for MXFP4 experts random codes and E8M0 scales (the stock
-        op and the replacement read the same; a MoE writes no cache)."""
+        """A random layer input for the probe, and for MXFP4 experts random codes and E8M0 scales, re-packed into
+        the same tiles where the weights are tiles (the stock op and the replacement read the same; a MoE writes
+        no cache)."""
         xv = val(self.x)
         values = {self.x: rng.randn(xv.shape, xv.dtype)}
         if self.mxfp4:
             for codes, scales in (self.experts[:2], self.experts[2:]):
-                shape = (*val(codes).shape[:-1], 2 * val(codes).shape[-1])
-                packed, scale = random_mxfp4(tuple(size_hint(d) for d in shape), rng.g, size_hint(shape[-1]) ** -0.5)
-                values[codes], values[scales] = packed.to(rng.device), scale.to(rng.device)
+                w = as_mxfp4("probe", val(codes), val(scales))
+                shape = tuple(size_hint(d) for d in w.shape)
+                drawn = Mxfp4Weight(*random_mxfp4(shape, rng.g, shape[-1] ** -0.5))
+                if isinstance(w, Mxfp4Tiles):
+                    drawn = tile_mxfp4(drawn, w.block_n, w.block_k)
+                values[codes], values[scales] = drawn[0].to(rng.device), drawn[1].to(rng.device)
         return ProbeInputs(values, {}, rng.size(xv.shape[0]))
 
 
-def check_mxfp4_experts(ctx: PassContext, a: dict, latent: int) -> None:
-    """The MXFP4 experts' tensors are weights as loaded (the kernels read the checkpoint's layout from them),
-    uint8 E2M1 codes two a byte and uint8 E8M0 scales, one per 32 inputs, in the shapes of w13 [E, 2I, Lat]
-    and w2 [E, Lat, I]."""
+def check_mxfp4_experts(ctx: PassContext, a: dict, latent: int) -> str:
+    """The MXFP4 experts' tensors are weights as loaded (the kernels read them as they are), both in the
+    checkpoint's layout (uint8 E2M1 codes two a byte and uint8 E8M0 scales, one per 32 inputs) or both tiles
+    made at load time (int32 words and int16 scales, one block_k, the up half starting at a tile), in the shapes
+    of w13 [E, 2I, Lat] and w2 [E, Lat, I]; returns the layout ("checkpoint", or "tiles 64x128": block_n x block_k)."""
     t = {name: ctx.param(a[name], f"MXFP4 {name} (the kernels read codes and scales as loaded)") for name in MXFP4_TENSORS}
+    forms = {}
     for w in ("w13", "w2"):
         codes, scales = t[f"{w}_packed"], t[f"{w}_scale"]
-        require(codes.dtype == torch.uint8, f"{w} codes are {codes.dtype}, not uint8 (two E2M1 a byte)", a[f"{w}_packed"])
+        if codes.dtype == torch.int32:
+            require(scales.dtype == torch.int16, f"{w} tile scales are {scales.dtype}, not int16", a[f"{w}_scale"])
+            try:
+                check_tiles(w, codes, scales)
+            except ValueError as e:
+                raise NoMatch(str(e), a[f"{w}_scale"]) from None
+            forms[w] = Mxfp4Tiles(codes, scales)
+            continue
+        require(codes.dtype == torch.uint8, f"{w} codes are {codes.dtype}, not uint8 (two E2M1 a byte) nor int32 tiles",
+                a[f"{w}_packed"])
         require(scales.dtype == torch.uint8, f"{w} scales are {scales.dtype}, not uint8 E8M0 (MXFP4)", a[f"{w}_scale"])
         g = group_size(codes, scales)
         require(codes.shape[:-1] == scales.shape[:-1] and g == GROUP, f"{w} has one scale per {g} inputs "
                 f"({list(scales.shape)} for codes {list(codes.shape)}), not per {GROUP} (MXFP4)", a[f"{w}_scale"])
-    E, two_i, lat_half = t["w13_packed"].shape
-    require(2 * lat_half == latent and tuple(t["w2_packed"].shape) == (E, latent, two_i // 4),
-            f"MXFP4 expert shapes w13 {list(t['w13_packed'].shape)} / w2 {list(t['w2_packed'].shape)} (codes) do not "
-            f"fit latent {latent}", a["w13_packed"])
+        forms[w] = Mxfp4Weight(codes, scales)
+    w13, w2 = forms["w13"], forms["w2"]
+    require(type(w13) is type(w2), "w13 and w2 are in different MXFP4 layouts (tiles and the checkpoint's)",
+            a["w2_packed"])
+    E, two_i, lat = w13.shape
+    require(lat == latent and tuple(w2.shape) == (E, latent, two_i // 2),
+            f"MXFP4 expert shapes w13 {list(w13.shape)} / w2 {list(w2.shape)} do not fit latent {latent}",
+            a["w13_packed"])
+    if isinstance(w13, Mxfp4Weight):
+        return "checkpoint"
+    require(w13.block_k == w2.block_k and (two_i // 2) % w13.block_n == 0,
+            f"MXFP4 tiles w13 {w13.block_n} x {w13.block_k} / w2 {w2.block_n} x {w2.block_k}: the kernels need one "
+            f"block_k and the up half ({two_i // 2} gate rows) starting at a tile", a["w13_packed"])
+    return f"tiles {w13.block_n}x{w13.block_k}" + ("" if w2.block_n == w13.block_n else f"/{w2.block_n}")
 
 
 def dep_moe_supported(ctx: PassContext, R: Node) -> MoeMatch:
@@ -264,8 +291,7 @@ def dep_moe_supported(ctx: PassContext, R: Node) -> MoeMatch:
     check_bf16("MoE activations/weights", x, *([] if scales else [down.w, gu.w, sd.w, up.w]),
                *([] if mxfp4 else experts))
     latent = ctx.param(down.w, "latent down-proj").shape[0]
-    if mxfp4:
-        check_mxfp4_experts(ctx, a, latent)
+    layout = check_mxfp4_experts(ctx, a, latent) if mxfp4 else None
     shared_inter = ctx.param(sd.w, "shared down_proj").shape[1]
     ep_size = int(a["ep_size"])
     E, E_local = ctx.param(gate_w, "router weight").shape[0], val(experts[0]).shape[0]
@@ -276,7 +302,7 @@ def dep_moe_supported(ctx: PassContext, R: Node) -> MoeMatch:
     for w, what in ((up.w, "up-proj"), (bias, "correction bias"), (norm_w, "latent norm weight")):
         ctx.param(w, what)
     return MoeMatch(x, down.w, gate_w, bias, norm_w, up.w, gu.w, sd.w, add, a, top_k, scale, norm_eps,
-                    shared_inter, latent, ep_size, claimed, experts, mxfp4, scales,
+                    shared_inter, latent, ep_size, claimed, experts, mxfp4, layout, scales,
                     packed_segments([gu, down]))
 
 
@@ -309,5 +335,6 @@ class MoePass(LayerPass):
             m.x, front, m.gate_w, m.bias, *m.experts, m.norm_w, m.up_w, m.sd_w, None, m.scales), prepared=prepared,
             probe=m.probe_inputs, fp8_activations=bool(m.scales),
             pack=[(front, "MoE front")] + ([(m.scales[:2], "MoE front scales")] if m.scales else []))
-        op = tagged(op, f"ep{m.ep_size}" if m.ep_size > 1 else None, "fp8_block" if m.scales else None)
+        op = tagged(op, f"ep{m.ep_size}" if m.ep_size > 1 else None, "fp8_block" if m.scales else None,
+                    m.layout if m.layout != "checkpoint" else None)
         return op, {"moe_front": prepared.front.policies([b for b in opts.batches if b <= opts.front_max])}

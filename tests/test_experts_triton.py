@@ -451,7 +451,7 @@ def _tiles_logged(before: set[str]) -> set[str]:
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("T", [1, 16])
 def test_mxfp4_tiles_match_the_bf16_kernels_on_dequantized_weights(size, T, ptx):
-    """Experts re-packed into the MMA's operand order (ops/mxfp4_tiles.py): bit-equal to the BF16 kernels on the
+    """Experts re-packed into the MMA's operand order (a copy, ops/mxfp4_tiles.py): bit-equal to the BF16 kernels on the
     dequantized weights under the same tiles, and no fallback taken."""
     from dep_compile.ops import fallbacks
 
@@ -498,6 +498,32 @@ def test_mxfp4_tiles_split_k_where_few_experts_are_touched(size):
     sh = SMALL_TILES if size == "small" else dict(FULL, E=56)
     ids = _few_touched_ids(1, sh["E"], sh["K"], 16 if size == "full" else 3, 72)
     _check_mx(et, _mx_case(1, **sh, ids=ids, seed=72), sh["E"], _tiles_tactic(et, size))
+
+
+@device_test
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("T", [1, 16])
+def test_mxfp4_tiled_in_place_are_read_as_they_are(size, T):
+    """Experts tiled in place at load time (``stock/mxfp4_tiles.tile_in_place``): the kernels read them with the
+    tiles' blocks whatever tactic is asked, keep no copy, and are bit-equal to the copy path and, through the MoE
+    op's stock fallback, the stock op agrees with the reference."""
+    from dep_compile.stock.mxfp4 import Mxfp4Weight
+    from dep_compile.stock.mxfp4_tiles import tile_in_place
+
+    et = _et()
+    sh = SMALL_TILES if size == "small" else dict(FULL, E=64)
+    x, w13, w2, w, ids = _mx_case(T, **sh, seed=80 + T)
+    tactic = _tiles_tactic(et, size, ptx=_DEV != "cpu")
+    want = et.routed_experts_triton(x, w13, w2, w, ids, 0, BETA, BETA_LIN, tactic=tactic)  # through a copy
+    t13 = tile_in_place(Mxfp4Weight(w13.packed.clone(), w13.scale.clone()), tactic.block_n1, tactic.block_k)
+    t2 = tile_in_place(Mxfp4Weight(w2.packed.clone(), w2.scale.clone()), tactic.block_n2, tactic.block_k)
+    asked = dataclasses.replace(tactic, block_n1=32, block_k=32, tiles=False)
+    got = et.routed_experts_triton(x, t13, t2, w, ids, 0, BETA, BETA_LIN, tactic=asked)
+    assert torch.equal(got, want) and float(got.abs().max()) > 0.1
+    assert all("_dep_mxfp4_tiles" not in t.words._base.__dict__ for t in (t13, t2))  # no copy made
+    t2_other = tile_in_place(Mxfp4Weight(w2.packed.clone(), w2.scale.clone()), tactic.block_n2, 32)
+    assert "one block_k" in et.unsupported(x, t13, t2_other, w, ids)
+    assert "different formats" in et.unsupported(x, t13, w2, w, ids)
 
 
 @device_test
@@ -559,7 +585,7 @@ def test_mxfp4_tiles_check_fails_on_swapped_rows():
 
 def test_mxfp4_tiles_refuse_what_they_cannot_hold():
     """tile_mxfp4 names why: rows that do not tile, a scale above 2^1 (its folded scale is no normal BF16)."""
-    from dep_compile.ops.mxfp4_tiles import tile_mxfp4
+    from dep_compile.stock.mxfp4_tiles import tile_mxfp4
     from dep_compile.stock.mxfp4 import Mxfp4Weight, random_mxfp4
 
     w = Mxfp4Weight(*random_mxfp4((2, 96, 64), torch.Generator().manual_seed(62), 0.05))

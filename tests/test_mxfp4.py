@@ -119,9 +119,140 @@ def test_validation_catches_a_kernel_that_reads_nibbles_the_other_way(monkeypatc
     """The probe draws random codes and scales: a replacement that swaps the nibbles is left stock."""
     from dep_compile.ops import moe as moe_op
 
-    real = moe_op.Mxfp4Weight
-    monkeypatch.setattr(moe_op, "Mxfp4Weight", lambda p, s: real((p << 4) | (p >> 4), s))
+    real = moe_op.as_mxfp4
+    monkeypatch.setattr(moe_op, "as_mxfp4", lambda what, p, s: real(what, (p << 4) | (p >> 4), s))
     r = run_pair(_mxfp4(), steps=2, batch=2)
+    bad = r.report.stock("moe")
+    assert len(bad) == 3 and all(m.check == "semantic" for m in bad), r.report.table()
+    assert r.logits_err == 0.0 and r.cache_err == 0.0
+
+
+# ---- tiles made at load time (stock/mxfp4_tiles.py): the checkpoint's bytes re-packed in place -------------------
+
+@pytest.mark.parametrize("E, N, K, bn, bk", [(3, 128, 256, 64, 128), (2, 64, 128, 16, 32), (2, 96, 192, 32, 64)])
+def test_tiles_made_in_place_round_trip(E, N, K, bn, bk):
+    """``tile_in_place`` writes ``tile_mxfp4``'s tiles into the codes' and scales' own storage, and
+    ``untile_mxfp4`` gives back the checkpoint's bytes exactly."""
+    from dep_compile.stock.mxfp4_tiles import Mxfp4Tiles, tile_in_place, tile_mxfp4, untile_mxfp4
+
+    w = Mxfp4Weight(*random_mxfp4((E, N, K), torch.Generator().manual_seed(E + N), 0.05))
+    copy = tile_mxfp4(w, bn, bk)
+    held = Mxfp4Weight(w.packed.clone(), w.scale.clone())
+    t = tile_in_place(held, bn, bk)
+    assert isinstance(t, Mxfp4Tiles) and (t.block_n, t.block_k, t.shape) == (bn, bk, w.shape)
+    assert t.words.data_ptr() == held.packed.data_ptr() and t.scales.data_ptr() == held.scale.data_ptr()
+    assert torch.equal(t.words, copy.words) and torch.equal(t.scales, copy.scales)
+    back = untile_mxfp4(t)
+    assert torch.equal(back.packed, w.packed) and torch.equal(back.scale, w.scale)
+    assert not torch.equal(t.words.view(torch.uint8).view(w.packed.shape), w.packed)  # the bytes did move
+
+
+def test_tiles_refuse_what_they_cannot_hold():
+    from dep_compile.stock.mxfp4_tiles import check_tiles, tile_in_place
+
+    w = Mxfp4Weight(*random_mxfp4((2, 64, 128), torch.Generator().manual_seed(3), 0.05))
+    with pytest.raises(ValueError, match="does not tile"):
+        tile_in_place(w, 64, 256)
+    with pytest.raises(ValueError, match="not contiguous"):
+        tile_in_place(Mxfp4Weight(w.packed[:, ::2], w.scale[:, ::2]), 16, 128)
+    with pytest.raises(ValueError, match="int32 words and int16 scales"):
+        check_tiles("w", w.packed, w.scale)
+    t = tile_in_place(Mxfp4Weight(w.packed.clone(), w.scale.clone()), 32, 64)
+    with pytest.raises(ValueError, match="do not fit words"):
+        check_tiles("w", t.words, t.scales[..., :1])
+
+
+def test_stock_op_reads_tiles_as_the_checkpoint_layout():
+    """The stock op on tiles: bit-equal to it on the checkpoint's layout; mislabelled tiles (rows n and n + 8
+    traded) change the result, so the check can fail."""
+    from dep_compile.stock.mxfp4_tiles import tile_mxfp4
+
+    x, w13, w2, w, ids = _experts_case()
+    op = torch.ops.kimi_k3.routed_experts_mxfp4
+    want = op(x, *w13, *w2, w, ids, 0, 1, BETA, BETA_LIN)
+    t13, t2 = tile_mxfp4(w13, 32, 64), tile_mxfp4(w2, 32, 32)
+    assert torch.equal(op(x, *t13, *t2, w, ids, 0, 1, BETA, BETA_LIN), want)
+    assert torch.equal(op(x, *t13, *w2, w, ids, 0, 1, BETA, BETA_LIN), want)  # one of each: still the same weights
+    traded = t13._replace(words=((t13.words >> 16) & 0xFFFF) | (t13.words << 16))
+    assert not torch.equal(op(x, *traded, *t2, w, ids, 0, 1, BETA, BETA_LIN), want)
+    torch.library.opcheck(op, (x, *t13, *t2, w, ids, 0, 1, BETA, BETA_LIN))
+    with pytest.raises(ValueError, match="do not fit words"):
+        op(x, t13.words, t13.scales[..., :1], *t2, w, ids, 0, 1, BETA, BETA_LIN)
+
+
+def _tiled_model(cfg, block_n=32, block_k=64):
+    from dep_compile.stock import tile_experts_
+
+    m = build_model(cfg, seed=1)
+    assert all(why is None for why in tile_experts_(m, block_n, block_k).values())
+    return m
+
+
+def test_tile_experts_keeps_the_checkpoint_layout_where_it_cannot_tile(caplog):
+    """k31-small's 64-input experts do not tile into 128-input steps: every module says so and keeps its bytes."""
+    from dep_compile.stock import tile_experts_
+
+    m = build_model(_mxfp4(), seed=1)
+    before = m.model.layers[1].mlp.experts.w13_weight_packed.clone()
+    reasons = tile_experts_(m)  # the load-time default, 64 x 128
+    assert len(reasons) == 3 and all("does not tile" in why for why in reasons.values()), reasons
+    assert torch.equal(m.model.layers[1].mlp.experts.w13_weight_packed, before)
+    assert "keeps the checkpoint's MXFP4 layout" in caplog.text
+
+
+def test_rewrite_exact_on_tiles_made_at_load_time():
+    """k31-small with its experts tiled in place: every MoE becomes kimi_dep.moe_mxfp4 on the tiles (the report
+    says so), logits and caches bit-equal to eager over verify steps, and eager on tiles equals eager on the
+    checkpoint's layout (the experts module)."""
+    cfg = _mxfp4()
+    accepted = lambda i, b: [1 + (i + r) % 2 for r in range(b)]  # noqa: E731
+    r = run_pair(cfg, model=_tiled_model(cfg), steps=4, batch=3, q=2, accepted=accepted)
+    moe = r.report.rewritten("moe")
+    assert len(moe) == 3 and all(m.op == "kimi_dep.moe_mxfp4[tiles 32x64]" and m.validation.startswith("probe")
+                                 for m in moe), r.report.table()
+    assert r.report.num_rewritten == 7 and r.logits_err == 0.0 and r.cache_err == 0.0
+    tiled, plain = _tiled_model(cfg).model.layers[1].mlp.experts, build_model(cfg, seed=1).model.layers[1].mlp.experts
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(5, cfg.moe_latent_size, generator=g).to(torch.bfloat16)
+    ids, w = torch.randint(0, plain.num_local, (5, 4), generator=g), torch.rand(5, 4, generator=g)
+    assert tiled.tiled and not plain.tiled and torch.equal(tiled(x, w, ids), plain(x, w, ids))
+
+
+def test_the_pass_refuses_tiles_the_kernels_cannot_read():
+    """Tiles of two block_k (w13 in 64-input steps, w2 in 32), and tiles beside the checkpoint's layout: left
+    stock with the reason, exact against eager."""
+    from dep_compile.stock.mxfp4_tiles import tile_in_place
+
+    cfg = _mxfp4()
+    for case in ("two block_k", "mixed"):
+        m = build_model(cfg, seed=1)
+        for layer in m.model.layers[1:]:
+            e = layer.mlp.experts
+            t = tile_in_place(Mxfp4Weight(e.w13_weight_packed, e.w13_weight_scale), 32, 64)
+            e.w13_weight_packed.data, e.w13_weight_scale.data = t
+            if case == "two block_k":
+                t = tile_in_place(Mxfp4Weight(e.w2_weight_packed, e.w2_weight_scale), 32, 32)
+                e.w2_weight_packed.data, e.w2_weight_scale.data = t
+        r = run_pair(cfg, model=m, steps=2, batch=2)
+        stock = r.report.stock("moe")
+        want = "one block_k" if case == "two block_k" else "different MXFP4 layouts"
+        assert len(stock) == 3 and all(want in s.reason for s in stock), r.report.table()
+        assert r.logits_err == 0.0 and r.cache_err == 0.0
+
+
+def test_validation_catches_a_kernel_that_reads_tile_rows_the_other_way(monkeypatch):
+    """The probe draws random tiles: a replacement that trades rows n and n + 8 of every tile is left stock."""
+    from dep_compile.ops import moe as moe_op
+
+    real = moe_op.as_mxfp4
+
+    def traded(what, packed, scale):
+        w = real(what, packed, scale)
+        return w._replace(words=((w.words >> 16) & 0xFFFF) | (w.words << 16)) if packed.dtype == torch.int32 else w
+
+    monkeypatch.setattr(moe_op, "as_mxfp4", traded)
+    cfg = _mxfp4()
+    r = run_pair(cfg, model=_tiled_model(cfg), steps=2, batch=2)
     bad = r.report.stock("moe")
     assert len(bad) == 3 and all(m.check == "semantic" for m in bad), r.report.table()
     assert r.logits_err == 0.0 and r.cache_err == 0.0

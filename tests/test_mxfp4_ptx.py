@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from dep_compile.ops import mxfp4_tiles
+from dep_compile.stock import mxfp4_tiles
 from dep_compile.stock.mxfp4 import E2M1, Mxfp4Weight
 from ptx_sim import run_ptx
 

@@ -317,11 +317,18 @@ def make_checkpoint(preset_name: str, directory: str | Path, seed: int = 0, expe
     return d
 
 
-def load_stock_model(directory: str | Path):
-    """The stock decoder with a checkpoint's weights (what vLLM's model must reproduce), on CPU."""
+def load_stock_model(directory: str | Path, experts_layout: str = "checkpoint"):
+    """The stock decoder with a checkpoint's weights (what vLLM's model must reproduce), on CPU.
+
+    ``experts_layout="tiles"``: MXFP4 experts re-packed in place into the tiles kimi_dep's kernels read
+    (``stock.tile_experts_``, what the vLLM model does on CUDA; a layer that cannot be tiled keeps the
+    checkpoint's layout, logged)."""
     from safetensors.torch import load_file
 
-    from dep_compile.stock import build_model
+    from dep_compile.stock import build_model, tile_experts_
+
+    if experts_layout not in ("checkpoint", "tiles"):
+        raise ValueError(f"experts_layout {experts_layout!r}: 'checkpoint' or 'tiles'")
 
     d = Path(directory)
     config = json.loads((d / "config.json").read_text())
@@ -329,6 +336,8 @@ def load_stock_model(directory: str | Path):
     model = build_model(cfg)
     with torch.no_grad():
         load_checkpoint(dict(model.named_parameters()), cfg, load_file(str(d / "model.safetensors")).items())
+    if experts_layout == "tiles":
+        tile_experts_(model)
     return model
 
 

@@ -2,8 +2,9 @@
 
 Same contract as ``stock.grouped_experts.routed_experts_grouped``: FP32 ``[T, Lat]``, the
 weighted sum of each token's local experts; ids outside ``expert_start .. + E`` add nothing.
-Four launches (five with split-K), no host sync, no sort in torch, static grids (CUDA-graph capturable; MXFP4 on
-CUDA reads a copy re-packed in MMA order, ``ops/mxfp4_tiles.py``, whose first call per weight syncs and allocates):
+Four launches (five with split-K), no host sync, no sort in torch, static grids (CUDA-graph capturable). MXFP4
+weights are read as tiles in MMA order (``stock/mxfp4_tiles.py``): re-packed in place at load time, or else a copy
+made at the first call on a weight (``ops/mxfp4_tiles.py``: that call syncs and allocates):
 
 1. ``_count_kernel`` (grid ``E``): program ``e`` histograms the ``P = T*K`` ids by local expert; from it, the
    valid pairs of experts below ``e`` (its row offset), its own pairs, and its place among the touched
@@ -51,16 +52,18 @@ import triton.language as tl
 
 from ..stock.moe import stock_routed_experts
 from ..stock.mxfp4 import Mxfp4Weight
+from ..stock.mxfp4_tiles import ROTATIONS, Mxfp4Tiles, check_tiles
 from ..stock.mxfp4_cuda import e2m1_bf16, e8m0_bf16
 from .fallbacks import log_fallback
 from .moe_triton import situ_fp32
-from .mxfp4_tiles import ROTATIONS, cached_tiles
+from .mxfp4_tiles import cached_tiles
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _SMEM_BYTES = 225 * 1024
 BIG_M = 64  # rows a pass for an expert with more rows than block_m
 SPLIT_ROWS = 64  # rows of the split-K partials: K slices x local pairs (more pairs: no split)
 INTERPRETER_SMS = 132  # the H200's SMs, for the split rule in Triton's interpreter
+MXFP4 = (Mxfp4Weight, Mxfp4Tiles)  # the MXFP4 experts weights: the checkpoint's layout, or tiles
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +78,8 @@ class ExpertsTactic:
     block_m: int | None = None
     ptx_dequant: bool = False  # MXFP4 on CUDA: dequantize with _DEQUANT_PTX (two values an instruction) instead of
                                # Triton integer ops (the interpreter always runs the latter)
-    tiles: bool = False  # MXFP4: read a copy re-packed in the MMA's operand order (ops/mxfp4_tiles.py), made once
+    tiles: bool = False  # MXFP4 in the checkpoint's layout: read a copy re-packed in the MMA's operand order
+                         # (ops/mxfp4_tiles.py), made once (weights tiled at load time are always read as tiles)
     maxnreg: int | None = None  # registers a thread of the two GEMMs (None: the compiler's choice, up to 255)
     split_k: int = 8  # most K slices of an expert's programs where few experts are touched (1: never split)
     fill: int = 3  # programs an SM the split aims at (MXFP4 holds three an SM by registers and shared memory)
@@ -134,7 +138,7 @@ _DEQUANT_PTX = tl.constexpr(
 def _word_ptx() -> str:
     """PTX: one re-packed word ($4) and its rows' folded scales 2^(s - 1) ($5: row n, $6: row n + 8; BF16 in both
     lanes) -> the MMA's four BF16x2 operand registers R0 .. R3 ($0 .. $3): each the word rotated and masked
-    (ops/mxfp4_tiles.py), which is the lanes' E2M1 values times 2^-126, then one FMA by the scale."""
+    (stock/mxfp4_tiles.py), which is the lanes' E2M1 values times 2^-126, then one FMA by the scale."""
     lines = ["{", ".reg .b32 nz, a, b;", "mov.b32 nz, 0x80008000;"]
     for reg, (rs, rm) in enumerate(ROTATIONS):
         rot = lambda r, dst: f"shf.l.wrap.b32 {dst}, $4, $4, {r};" if r else f"mov.b32 {dst}, $4;"  # noqa: E731
@@ -178,7 +182,7 @@ def _word_register(word, s, REG: tl.constexpr):
 def _word_tile(w_ptrs, s_ptrs, k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PTX: tl.constexpr):
     """The BF16 weight tile [BLOCK_N, BLOCK_K] at inputs k .. k + BLOCK_K from re-packed words ``w_ptrs``
     [2 BLOCK_N, BLOCK_K / 16] and scale pairs ``s_ptrs`` [2 BLOCK_N, BLOCK_K / 32] (one per thread quad), both
-    of the program's first tile (ops/mxfp4_tiles.py gives the order)."""
+    of the program's first tile (stock/mxfp4_tiles.py gives the order)."""
     J: tl.constexpr = BLOCK_K // 16
     TR: tl.constexpr = 2 * BLOCK_N
     wd = tl.load(w_ptrs + (k // BLOCK_K) * (TR * J), eviction_policy="evict_first")  # int32 [TR, J]
@@ -537,14 +541,16 @@ def _slots(device: torch.device, tactic: ExpertsTactic) -> int:
 
 
 def _tensors(w) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """(values or codes, scales, MXFP4?) of an experts weight: a BF16 tensor, or an ``Mxfp4Weight``
-    (BF16: the tensor twice; the kernels do not read the second)."""
-    return (w.packed, w.scale, True) if isinstance(w, Mxfp4Weight) else (w, w, False)
+    """(values, codes or words; scales; MXFP4?) of an experts weight: a BF16 tensor, an ``Mxfp4Weight`` or
+    ``Mxfp4Tiles`` (BF16: the tensor twice; the kernels do not read the second)."""
+    return (*w, True) if isinstance(w, MXFP4) else (w, w, False)
 
 
-def _tiled(w13: Mxfp4Weight, w2: Mxfp4Weight, tactic: ExpertsTactic):
-    """((words, scales) of w13, of w2) re-packed for ``tactic``'s tiles, or None where they cannot be (logged once:
-    the kernels then read the checkpoint's layout)."""
+def _tiled(w13, w2, tactic: ExpertsTactic):
+    """((words, scales) of w13, of w2): tiles as given, or checkpoint-layout weights re-packed for ``tactic``'s
+    tiles; None where they cannot be (logged once: the kernels then read the checkpoint's layout)."""
+    if isinstance(w13, Mxfp4Tiles):
+        return w13, w2
     inter = w13.shape[1] // 2
     if inter % tactic.block_n1:
         why = f"the up half starts inside a {tactic.block_n1}-row tile ({inter} gate rows)"
@@ -560,13 +566,22 @@ def _tiled(w13: Mxfp4Weight, w2: Mxfp4Weight, tactic: ExpertsTactic):
 
 def unsupported(x, w13, w2, topk_weights, topk_ids, tactic: ExpertsTactic = DEFAULT_TACTIC) -> str | None:
     """Why these inputs cannot take the Triton path (None when they can). ``w13`` / ``w2``: BF16 tensors,
-    or both ``Mxfp4Weight`` (E8M0 scales per 32 inputs)."""
+    or both ``Mxfp4Weight`` (E8M0 scales per 32 inputs), or both ``Mxfp4Tiles``."""
     if not (x.is_cuda or _INTERPRET):
         return "not on CUDA"
-    mx13, mx2 = isinstance(w13, Mxfp4Weight), isinstance(w2, Mxfp4Weight)
-    if mx13 != mx2:
+    mx13, mx2 = isinstance(w13, MXFP4), isinstance(w2, MXFP4)
+    if mx13 != mx2 or (mx13 and type(w13) is not type(w2)):
         return "w13 and w2 are in different formats"
-    if mx13:
+    if isinstance(w13, Mxfp4Tiles):
+        try:
+            check_tiles("w13", *w13)
+            check_tiles("w2", *w2)
+        except ValueError as e:
+            return str(e)
+        if w13.block_k != w2.block_k or (w13.shape[1] // 2) % w13.block_n:
+            return (f"tiles w13 {w13.block_n} x {w13.block_k} / w2 {w2.block_n} x {w2.block_k} (one block_k, and "
+                    "the up half starting at a tile, needed)")
+    elif mx13:
         for name, w in (("w13", w13), ("w2", w2)):
             if w.packed.dtype != torch.uint8 or w.scale.dtype != torch.uint8:
                 return f"{name} MXFP4 dtypes {w.packed.dtype} / {w.scale.dtype} (uint8 codes and E8M0 scales needed)"
@@ -602,11 +617,15 @@ def routed_experts_triton(
     """Weighted sum of each token's selected local experts, FP32 [T, Lat] (see the module doc).
 
     x: [T, Lat] BF16; w13: [E, 2I, Lat] BF16; w2: [E, Lat, I] BF16 (or both ``Mxfp4Weight`` of those
-    shapes, dequantized in registers: the result is bit-equal to this path on the dequantized weights);
+    shapes, or ``Mxfp4Tiles``, which set the tactic's blocks; dequantized in registers: the result is bit-equal
+    to this path on the dequantized weights);
     topk_weights: [T, K]; topk_ids: [T, K] global ids (int32/int64); ``tactic`` by default the format's.
     Raises ValueError on inputs ``unsupported`` names.
     """
-    tactic = tactic or (DEFAULT_MXFP4_TACTIC if isinstance(w13, Mxfp4Weight) else DEFAULT_TACTIC)
+    tactic = tactic or (DEFAULT_MXFP4_TACTIC if isinstance(w13, MXFP4) else DEFAULT_TACTIC)
+    if isinstance(w13, Mxfp4Tiles):  # tiled at load time: the tiles set the blocks
+        tactic = dataclasses.replace(tactic, block_n1=w13.block_n, block_n2=w2.block_n, block_k=w13.block_k,
+                                     tiles=True)
     why = unsupported(x, w13, w2, topk_weights, topk_ids, tactic)
     if why:
         raise ValueError(f"routed_experts_triton: {why}")
@@ -675,7 +694,7 @@ def routed_experts_dep(
     expert_start: int, ep_size: int, beta: float, beta_lin: float,
 ) -> torch.Tensor:
     """The MoE op's routed experts on CUDA: [T, Lat] BF16, like ``kimi_k3::routed_experts`` (or
-    ``routed_experts_mxfp4`` when ``w13`` and ``w2`` are ``Mxfp4Weight``).
+    ``routed_experts_mxfp4`` when ``w13`` and ``w2`` are ``Mxfp4Weight`` or ``Mxfp4Tiles``).
 
     ``ep_size > 1`` dispatches over the EP group with this module's kernels as the local experts;
     inputs the kernels refuse run the stock op (logged once).

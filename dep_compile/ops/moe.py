@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ..stock.layers import renormalized_topk, situ
 from ..stock.moe import stock_routed_experts
-from ..stock.mxfp4 import Mxfp4Weight
+from ..stock.mxfp4_tiles import as_mxfp4
 from .dense import dense_linear, dense_weight
 from .packing import packed_rows
 from .projection import DepProjection
@@ -62,7 +62,7 @@ class EpMoeLayer:
     def experts_tail(self, latent, topk_w, topk_ids, w13, w2, norm_w, up_w) -> Tensor:
         """Routed experts -> latent RMSNorm -> up-projection: [T, hidden] BF16.
 
-        ``w13`` / ``w2``: BF16 tensors, or ``Mxfp4Weight`` codes and scales. On CUDA the experts are
+        ``w13`` / ``w2``: BF16 tensors, or ``Mxfp4Weight`` / ``Mxfp4Tiles`` codes and scales. On CUDA the experts are
         kimi_dep's Triton kernels (``experts_triton``, MXFP4 dequantized in registers; EP dispatch around
         them when ``ep_size > 1``); elsewhere the stock op (its CPU reference)."""
         if latent.is_cuda:
@@ -162,10 +162,12 @@ def moe_mxfp4(
     """``moe`` on MXFP4 routed experts as K3 ships them (``stock/mxfp4.py``): x [T, hidden] -> [T, hidden].
 
     w13_packed [E_local, 2I, Lat/2] / w2_packed [E_local, Lat, I/2]: uint8 E2M1 codes, two a byte;
-    w13_scale [E_local, 2I, Lat/32] / w2_scale [E_local, Lat, I/32]: uint8 E8M0 scales; the rest as ``moe``.
+    w13_scale [E_local, 2I, Lat/32] / w2_scale [E_local, Lat, I/32]: uint8 E8M0 scales; or both re-packed into
+    tiles at load time (int32 words, int16 scales: ``stock/mxfp4_tiles.py``); the rest as ``moe``.
     """
-    return lookup(layer).forward(x, front_ws, gate_w, bias, Mxfp4Weight(w13_packed, w13_scale),
-                                 Mxfp4Weight(w2_packed, w2_scale), norm_w, up_w, shared_down_w, scales)
+    return lookup(layer).forward(x, front_ws, gate_w, bias, as_mxfp4("kimi_dep.moe_mxfp4 w13", w13_packed, w13_scale),
+                                 as_mxfp4("kimi_dep.moe_mxfp4 w2", w2_packed, w2_scale), norm_w, up_w, shared_down_w,
+                                 scales)
 
 
 @moe_mxfp4.register_fake

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 from .config import K3Config
 from .layers import RMSNorm, Router, SiTUMLP, dense_linear
 from .mxfp4 import GROUP, Mxfp4Weight
+from .mxfp4_tiles import LOAD_TILE, Mxfp4Tiles, tile_in_place, untileable
+
+log = logging.getLogger(__name__)
 
 
 class _Experts(nn.Module):
@@ -42,7 +47,8 @@ class FusedExperts(_Experts):
 class Mxfp4Experts(_Experts):
     """The routed experts as K3 ships them (``stock/mxfp4.py``; vLLM's compressed-tensors names):
     ``w13_weight_packed [E, 2I, Lat/2]`` and ``w2_weight_packed [E, Lat, I/2]`` uint8 E2M1 codes,
-    ``w13_weight_scale [E, 2I, Lat/32]`` and ``w2_weight_scale [E, Lat, I/32]`` uint8 E8M0 scales."""
+    ``w13_weight_scale [E, 2I, Lat/32]`` and ``w2_weight_scale [E, Lat, I/32]`` uint8 E8M0 scales; after
+    ``tile_``, the same storage as int32 / int16 tiles (``stock/mxfp4_tiles.py``)."""
 
     def __init__(self, config: K3Config, num_local: int | None = None, expert_start: int = 0,
                  ep_size: int | None = None):
@@ -54,6 +60,29 @@ class Mxfp4Experts(_Experts):
         self.w13_weight_packed, self.w13_weight_scale = u8(E, 2 * I, L // 2), u8(E, 2 * I, L // GROUP)
         self.w2_weight_packed, self.w2_weight_scale = u8(E, L, I // 2), u8(E, L, I // GROUP)
 
+    @property
+    def tiled(self) -> bool:
+        """Whether the weights are held as tiles (``tile_``)."""
+        return self.w13_weight_packed.dtype == torch.int32
+
+    @torch.no_grad()
+    def tile_(self, block_n: int = LOAD_TILE[0], block_k: int = LOAD_TILE[1]) -> None:
+        """Re-pack w13 and w2 into ``block_n`` x ``block_k`` tiles in their own storage (no copy: what kimi_dep's
+        experts kernel reads); ValueError with the reason where they cannot be, leaving both as they were."""
+        if self.tiled:
+            return
+        inter = self.w13_weight_packed.shape[1] // 2
+        w13 = Mxfp4Weight(self.w13_weight_packed, self.w13_weight_scale)
+        w2 = Mxfp4Weight(self.w2_weight_packed, self.w2_weight_scale)
+        if inter % block_n:
+            raise ValueError(f"tile_: the up half starts inside a {block_n}-row tile ({inter} gate rows)")
+        why = untileable(w13, block_n, block_k) or untileable(w2, block_n, block_k)
+        if why:
+            raise ValueError(f"tile_: {why}")
+        for names, w in ((("w13_weight_packed", "w13_weight_scale"), w13), (("w2_weight_packed", "w2_weight_scale"), w2)):
+            tiles = tile_in_place(w, block_n, block_k)
+            getattr(self, names[0]).data, getattr(self, names[1]).data = tiles.words, tiles.scales
+
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         return torch.ops.kimi_k3.routed_experts_mxfp4(
             x, self.w13_weight_packed, self.w13_weight_scale, self.w2_weight_packed, self.w2_weight_scale,
@@ -63,10 +92,26 @@ class Mxfp4Experts(_Experts):
 EXPERTS = {"bf16": FusedExperts, "mxfp4": Mxfp4Experts}  # K3Config.experts_format -> the experts module
 
 
+def tile_experts_(model: nn.Module, block_n: int = LOAD_TILE[0], block_k: int = LOAD_TILE[1]) -> dict[str, str | None]:
+    """``Mxfp4Experts.tile_`` on every MXFP4 experts module of ``model``: {module name: None, or why it stays in
+    the checkpoint's layout} (logged)."""
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, Mxfp4Experts):
+            try:
+                m.tile_(block_n, block_k)
+                out[name] = None
+            except ValueError as e:
+                out[name] = str(e)
+                log.warning("dep_compile: %s keeps the checkpoint's MXFP4 layout: %s", name, e)
+    return out
+
+
 def stock_routed_experts(x, w13, w2, topk_weights, topk_ids, expert_start: int, ep_size: int, beta: float,
                          beta_lin: float) -> torch.Tensor:
-    """The stock routed-experts op for ``w13`` / ``w2`` as BF16 tensors or ``Mxfp4Weight`` pairs: [T, Lat]."""
-    if isinstance(w13, Mxfp4Weight):
+    """The stock routed-experts op for ``w13`` / ``w2`` as BF16 tensors, ``Mxfp4Weight`` or ``Mxfp4Tiles`` pairs:
+    [T, Lat]."""
+    if isinstance(w13, (Mxfp4Weight, Mxfp4Tiles)):
         return torch.ops.kimi_k3.routed_experts_mxfp4(x, *w13, *w2, topk_weights, topk_ids, expert_start, ep_size,
                                                       beta, beta_lin)
     return torch.ops.kimi_k3.routed_experts(x, w13, w2, topk_weights, topk_ids, expert_start, ep_size, beta, beta_lin)

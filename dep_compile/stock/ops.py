@@ -27,7 +27,7 @@ from .reference.kda import kda_core_ref
 from .reference.mla import mla_decode_ref
 from .grouped_experts import routed_experts_grouped
 from .fp8_block import check_weight, fp8_block_linear as fp8_block_linear_ref
-from .mxfp4 import Mxfp4Weight, check_mxfp4
+from .mxfp4_tiles import as_mxfp4
 from .reference.moe import routed_experts_mxfp4_partial, routed_experts_partial
 
 
@@ -176,13 +176,13 @@ def routed_experts_mxfp4(
 
     w13_packed [E, 2I, Lat/2] / w2_packed [E, Lat, I/2]: uint8, two E2M1 codes a byte (low nibble first);
     w13_scale [E, 2I, Lat/g] / w2_scale [E, Lat, I/g]: uint8 E8M0 (2^(s-127)) or float scales, one per g
-    inputs (MXFP4: g = 32; ``stock/mxfp4.py``). The weights dequantize exactly to BF16; the rest is
-    ``routed_experts`` on them. CPU: the reference on the dequantized weights; CUDA: the touched experts
-    dequantized to BF16 by a Triton kernel, then the grouped GEMMs.
+    inputs (MXFP4: g = 32; ``stock/mxfp4.py``); or both re-packed into tiles at load time (int32 words, int16
+    scales: ``stock/mxfp4_tiles.py``). The weights dequantize exactly to BF16; the rest is ``routed_experts`` on
+    them. CPU: the reference on the dequantized weights; CUDA: the touched experts dequantized to BF16 by a Triton
+    kernel, then the grouped GEMMs.
     """
-    w13, w2 = Mxfp4Weight(w13_packed, w13_scale), Mxfp4Weight(w2_packed, w2_scale)
-    check_mxfp4("routed_experts_mxfp4 w13", w13_packed, w13_scale)
-    check_mxfp4("routed_experts_mxfp4 w2", w2_packed, w2_scale)
+    w13, w2 = as_mxfp4("routed_experts_mxfp4 w13", w13_packed, w13_scale), as_mxfp4(
+        "routed_experts_mxfp4 w2", w2_packed, w2_scale)
     if x.is_cuda:  # mxfp4_cuda imports Triton: imported only for CUDA tensors
         from .mxfp4_cuda import routed_experts_mxfp4_grouped as local_fn  # noqa: PLC0415
     else:
@@ -193,7 +193,7 @@ def routed_experts_mxfp4(
 
 @routed_experts_mxfp4.register_fake
 def _(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids, expert_start, ep_size, beta, beta_lin):
-    return x.new_empty(x.shape[0], w2_packed.shape[1])
+    return x.new_empty(x.shape[0], as_mxfp4("routed_experts_mxfp4 w2", w2_packed, w2_scale).shape[1])
 
 
 @torch.library.custom_op("kimi_k3::fp8_block_linear", mutates_args=())

@@ -28,6 +28,7 @@ from dep_compile.integrations.vllm import pack_model_weights
 from dep_compile.runtime import ep
 from dep_compile.stock.cache import StepMeta
 from dep_compile.stock.model import KimiK3Model
+from dep_compile.stock.moe import tile_experts_
 
 from .config import step_sizes
 from .dp import align_calls, join_ep
@@ -134,7 +135,8 @@ class DepKimiK3ForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Checkpoint tensors (unpacked names, experts one by one, BF16 or MXFP4; ``checkpoint.load_checkpoint``,
-        which names any tensor that is unknown, misshapen or missing) into the packed parameters, then the DSA
+        which names any tensor that is unknown, misshapen or missing) into the packed parameters; on CUDA, MXFP4
+        experts re-packed in place into the tiles kimi_dep's kernels read (``stock.tile_experts_``); then the DSA
         and MoE row groups packed zero-copy for the kimi_dep ops (before vLLM compiles the model,
         docs/design.md §5.4); returns the parameters written."""
         placement = self.model.ep
@@ -144,6 +146,8 @@ class DepKimiK3ForCausalLM(nn.Module):
             log.info("dep_compile K3: EP rank %d of %d read routed experts %d-%d of %d from the checkpoint",
                      placement.rank, placement.size, min(self.experts_read), max(self.experts_read),
                      self.config.n_routed_experts)
+        if self.lm_head.weight.is_cuda:  # kimi_dep's MXFP4 kernels read tiles: re-packed in place, no copy
+            tile_experts_(self)
         pack_model_weights(self)
         return set(read.values())
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..mxfp4 import Mxfp4Weight
+from ..mxfp4_tiles import Mxfp4Tiles
 from .common import situ
 
 
@@ -44,10 +45,10 @@ def routed_experts_partial(
 
 
 def routed_experts_mxfp4_partial(
-    x: torch.Tensor, w13: Mxfp4Weight, w2: Mxfp4Weight, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    x: torch.Tensor, w13: Mxfp4Weight | Mxfp4Tiles, w2: Mxfp4Weight | Mxfp4Tiles, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     expert_start: int, beta: float, beta_lin: float,
 ) -> torch.Tensor:
-    """The MXFP4 experts' reference, FP32 [T, Lat]: the weights dequantized to x's dtype (exact: an E2M1 value
-    times a power of two), then :func:`routed_experts_partial`."""
+    """The MXFP4 experts' reference, FP32 [T, Lat]: the weights (checkpoint layout or tiles) dequantized to x's
+    dtype (exact: an E2M1 value times a power of two), then :func:`routed_experts_partial`."""
     return routed_experts_partial(x, w13.dequantize(x.dtype), w2.dequantize(x.dtype), topk_weights, topk_ids,
                                   expert_start, beta, beta_lin)
