@@ -8,7 +8,7 @@ decode projections and M = 1..64 rows. For every (shape, rows) it
 1. checks stock's CUDA path (``kimi_k3::fp8_block_linear``: ``stock/fp8_block_cuda.py``) and every kimi_dep tactic against the FP32
    reference on the same codes (``fp8_block.fp8_block_linear`` computed in FP64 on the GPU): max error /
    max |ref| and the relative Frobenius error;
-2. times stock and a sweep of ``SplitK`` tactics (block_k 128) over CUDA-graph replays with weights rotated
+2. times stock and a sweep of ``SplitK`` tactics (block_k 128-512, PDL or not) over CUDA-graph replays, weights rotated
    past L2, medians (``benchmarks/common.py``);
 
 then prints a table (µs, TB/s of weight + scale bytes, fraction of the 4.33 TB/s floor, stock / kimi_dep, the
@@ -43,20 +43,38 @@ from dep_compile.tactics import SplitK  # noqa: E402
 
 
 def shapes() -> dict[str, tuple[list[int], int]]:
-    """name -> (row segments, K) of K3.1's packed FP8 projections, from the config."""
+    """name -> (row segments, K) of K3.1's FP8 projections, from the config: the packed ones, then those the
+    rewritten ops run one at a time (``tactics.DEP_DENSE_FP8``)."""
     c = preset("k31")
     return {
         "dsa_qkv_a_g_index": (c.mla_fused_segments + [c.index_head_dim, c.index_heads], c.hidden_size),
         "kda_in_proj": (c.kda_in_segments, c.hidden_size),
         "moe_front": ([c.shared_intermediate] * 2 + [c.moe_latent_size], c.hidden_size),
         "o_proj": ([c.hidden_size], c.mla_heads * c.v_head_dim),
+        "q_b": ([c.mla_heads * c.qk_head_dim], c.q_lora_rank),
+        "wq_b": ([c.index_heads * c.index_head_dim], c.q_lora_rank),
+        "f_b": ([c.kda_heads * c.kda_head_dim], c.kda_f_rank),
+        "shared_down": ([c.hidden_size], c.shared_intermediate),
+        "latent_up": ([c.hidden_size], c.moe_latent_size),
     }
 
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
-# (split_k, block_n, num_warps, num_stages)
-CONFIGS = ((1, 64, 4, 4), (1, 64, 4, 6), (1, 128, 4, 4), (1, 128, 8, 4), (1, 128, 8, 6), (1, 256, 8, 4),
-           (2, 64, 4, 4), (2, 128, 4, 4), (2, 128, 8, 4), (2, 256, 8, 4), (3, 128, 8, 4), (4, 64, 4, 4))
+# (split_k, block_n, num_warps, num_stages[, block_k[, pdl: 1 launches the GEMM as the quantizer's PDL dependent]])
+CONFIGS = ((1, 64, 4, 6, 128, 1), (1, 64, 4, 6, 128, 0), (1, 64, 4, 3, 256, 1), (1, 64, 4, 3, 256, 0),
+           (1, 64, 4, 4, 256, 1), (2, 64, 4, 4, 256, 1), (2, 128, 4, 4, 128, 1), (1, 128, 4, 3, 256, 1),
+           (1, 64, 4, 3, 512, 1), (4, 64, 4, 4, 128, 1), (1, 32, 4, 6, 128, 1))
+
+
+def config(c: tuple) -> tuple[SplitK, bool]:
+    """A sweep entry -> (its tactic, whether the GEMM is a PDL launch; the default is the op's, PDL)."""
+    sk, bn, nw, st, bk, pdl = (tuple(c) + (128, 1)[len(c) - 4:])[:6]
+    return SplitK(sk, bn, bk, nw, st), bool(pdl)
+
+
+def label(tactic: SplitK, pdl: bool) -> str:
+    """A tactic's name in the results, marked where its GEMM waits for the quantizer without PDL."""
+    return str(tactic) if pdl else f"{tactic}/nopdl"
 
 
 def weight_bytes(segments: list[int], k: int) -> int:
@@ -177,22 +195,24 @@ def measure(name: str, segments: list[int], k: int, rows: int, configs, args) ->
             res["scaled_mm_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
     best = None
     res["tactics"] = {}
-    for sk, bn, nw, st in configs:
-        tactic = SplitK(sk, bn, 128, nw, st)
-        wsp = splitk_workspace(rows, n, tactic, "cuda") if sk > 1 else None
+    for c in configs:
+        tactic, pdl = config(c)
+        kw = {"pdl": pdl}
+        name_t = label(tactic, pdl)
+        wsp = splitk_workspace(rows, n, tactic, "cuda") if tactic.split_k > 1 else None
         out.fill_(float("nan"))
-        fp8_splitk_linear(x, *ws[0], srow, out, tactic, wsp)
+        fp8_splitk_linear(x, *ws[0], srow, out, tactic, wsp, **kw)
         err = errors(out, ref)
         if not (err[0] <= args.max_err and torch.isfinite(out).all()):
-            res["tactics"][str(tactic)] = {"err": err, "us": None}
+            res["tactics"][name_t] = {"err": err, "us": None}
             continue
-        t = common.time_graph(lambda i: fp8_splitk_linear(x, *ws[i % copies], srow, out, tactic, wsp), steps,
+        t = common.time_graph(lambda i: fp8_splitk_linear(x, *ws[i % copies], srow, out, tactic, wsp, **kw), steps,
                               replays=args.replays)["median_us"]
-        res["tactics"][str(tactic)] = {"err": err, "us": t}
+        res["tactics"][name_t] = {"err": err, "us": t}
         if best is None or t < best[1]:
-            best = (tactic, t, err)
+            best = (name_t, t, err)
     if best is not None:
-        res["best"], res["best_us"], res["best_err"] = str(best[0]), best[1], best[2]
+        res["best"], res["best_us"], res["best_err"] = best
     return res
 
 
@@ -229,7 +249,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
     p.add_argument("--shapes", default=",".join(shapes()))
     p.add_argument("--rows", default=",".join(map(str, ROWS)))
-    p.add_argument("--configs", default=None, help="split/bn/warps/stages,... (default: the built-in sweep)")
+    p.add_argument("--configs", default=None, help="split/bn/warps/stages[/block_k[/pdl 0|1]],... (default: the built-in sweep)")
     p.add_argument("--replays", type=int, default=10)
     p.add_argument("--replay-us", type=float, default=1500.0)
     p.add_argument("--max-err", type=float, default=2e-2, help="largest max error / max |ref| a tactic may have")

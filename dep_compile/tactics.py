@@ -63,25 +63,42 @@ DEP_OPROJ: dict[int, Tactic] = {
     64: SplitK(1, 64, 128, 4, 6),
 }
 
-# FP8 block-scaled weights (``ops/splitk_fp8_triton.py``; block_k is 128, one scale block a step), measured on the
-# H200 on 2026-12-02 with benchmarks/bench_projection_fp8.py (7 tactics at 1-64 rows; docs/perf.md): the winner
-# of the sweep per bin. Every split-K entry beat stock's FP8 path (cuBLAS's blockwise GEMM, torch._scaled_mm, at
-# 4+ rows; the plain Triton GEMM at 1-2) at every row count. A table's rows past its last bin, and every CPU
-# call, run stock's FP8 op (the CUBLAS tactic of FP8 weights).
+# FP8 block-scaled weights (``ops/splitk_fp8_triton.py``: block_k 128-512, whole scale blocks a step; the GEMM a PDL
+# launch after the quantizer), measured on the H200 on 2026-12-04 with benchmarks/bench_projection_fp8.py (16 tactics
+# at 1 / 8 / 32 / 64 rows; docs/perf.md): the winner of the sweep per bin, within 0.1 µs of the best at every row
+# count it covers. Every split-K entry beat stock's FP8 path (cuBLAS's blockwise GEMM, torch._scaled_mm, at 4+ rows;
+# the plain Triton GEMM at 1-2) at every row count. A table's rows past its last bin, and every CPU call, run
+# stock's FP8 op (the CUBLAS tactic of FP8 weights).
 DEP_PROJECTION_FP8: dict[str, dict[int, Tactic]] = {
-    # 14560 x 7168: 3.42 TB/s (weight + scale bytes) at 1 row, 3.20 at 32, 2.84 at 64; 1.6-1.9x stock.
-    "dsa_qkv_a_g_index": {8: SplitK(2, 64, 128, 4, 4), 64: SplitK(1, 64, 128, 4, 6)},
-    # 49376 x 7168: 4.14 TB/s at 1 row, 3.82 at 32, 3.19 at 64; 1.03-1.58x stock.
-    "kda_in_proj": {32: SplitK(1, 64, 128, 4, 6), 64: SplitK(1, 64, 128, 4, 4)},
-    # 15872 x 7168: 3.49 TB/s at 1 row, 3.30 at 32, 2.98 at 64; 1.08-1.56x stock.
-    "moe_front": {1: SplitK(1, 64, 128, 4, 6), 2: SplitK(2, 64, 128, 4, 4), 64: SplitK(1, 64, 128, 4, 6)},
+    # 14560 x 7168: 3.49 TB/s (weight + scale bytes) at 1 row, 3.34 at 32, 2.92 at 64; 1.6-1.9x stock.
+    "dsa_qkv_a_g_index": {32: SplitK(1, 64, 256, 4, 4), 64: SplitK(1, 64, 256, 4, 3)},
+    # 49376 x 7168: 4.25 TB/s at 1 row, 3.97 at 32, 3.37 at 64; 1.13-1.68x stock.
+    "kda_in_proj": {64: SplitK(1, 64, 256, 4, 3)},
+    # 15872 x 7168: 3.60 TB/s at 1 row, 3.41 at 32, 3.12 at 64; 1.16-1.66x stock.
+    "moe_front": {32: SplitK(1, 64, 256, 4, 4), 64: SplitK(1, 64, 256, 4, 3)},
 }
-# 7168 x 12288: 3.15 TB/s at 1 row, 2.67 at 32, 2.29 at 64; 1.06-1.36x stock.
+# 7168 x 12288: 3.21 TB/s at 1 row, 2.88 at 32, 2.32 at 64; 1.07-1.40x stock.
 DEP_OPROJ_FP8: dict[int, Tactic] = {
-    8: SplitK(4, 64, 128, 4, 4),
-    16: SplitK(2, 64, 128, 4, 4),
-    32: SplitK(4, 64, 128, 4, 4),
+    32: SplitK(2, 64, 256, 4, 4),
     64: SplitK(2, 128, 128, 4, 4),
+}
+
+
+# The FP8 projections the rewritten ops run one at a time (``ops/dense.py``), by weight shape (N, K): q_b, wq_b, f_b,
+# the shared expert's down and the latent up. Measured as the tables above. No entry splits K: the shared expert's
+# down runs on a side stream beside the latent up (same N), and split-K calls of one width and tactic share a
+# workspace that only stream-ordered calls may share (``ops/projection._workspace``).
+DEP_DENSE_FP8: dict[tuple[int, int], dict[int, Tactic]] = {
+    # q_b 18432 x 1536: 11.6-15.6 µs at 1-64 rows, 1.24-1.77x stock.
+    (18432, 1536): {32: SplitK(1, 64, 128, 4, 4), 64: SplitK(1, 64, 256, 4, 3)},
+    # wq_b 4096 x 1536: 7.1-8.0 µs, 1.47-1.94x stock.
+    (4096, 1536): {64: SplitK(1, 64, 256, 4, 4)},
+    # f_b 12288 x 128 (one K block): 4.3-5.3 µs, 1.16-1.28x stock.
+    (12288, 128): {32: SplitK(1, 64, 128, 4, 4), 64: SplitK(1, 128, 128, 8, 4)},
+    # shared expert down 7168 x 6144: 17.9-23.3 µs, 1.04-1.49x stock.
+    (7168, 6144): {64: SplitK(1, 64, 256, 4, 4)},
+    # latent up 7168 x 3584: 13.1-14.3 µs, 1.23-1.50x stock.
+    (7168, 3584): {64: SplitK(1, 64, 256, 4, 4)},
 }
 
 

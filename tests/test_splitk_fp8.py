@@ -31,7 +31,8 @@ SIZES = {"small": ([96, 40, 128, 32], 300), "full": ([1536, 576, 12288, 128, 32]
          "small_preset": ([96, 48, 16], 256),  # a small preset's packed runs (cuBLAS refused n 48, k 256)
          "square": ([128, 128], 256)}  # a small preset's shared gate_up: 2 x 2 block scales (cuBLAS computed it wrong)
 SIZE_NAMES = ("small", "square") if DEV == "cpu" else ("small", "full", "f_b", "small_preset", "square")
-TACTICS = [SplitK(1, 64, 128, 4, 4), SplitK(1, 128, 128, 8, 3), SplitK(3, 32, 128, 4, 2)]
+TACTICS = [SplitK(1, 64, 128, 4, 4), SplitK(1, 128, 128, 8, 3), SplitK(3, 32, 128, 4, 2),
+           SplitK(1, 64, 256, 4, 3), SplitK(2, 32, 512, 4, 2)]  # 2 and 4 scale blocks a step (ragged at k 300)
 
 
 def _kernel():
@@ -93,13 +94,27 @@ def test_fp8_splitk_mutant_one_grid_fails(size):
 
 
 @device_test
+@pytest.mark.parametrize("size", SIZE_NAMES)
+def test_fp8_splitk_block_k_keeps_the_arithmetic(size):
+    """Two or four scale blocks a loop step sum the same blocks in the same order: the output equals block_k 128's
+    to the bit."""
+    kernel = _kernel()
+    segments, k = SIZES[size]
+    x, w, s = _case(segments, k, 5, seed=3)
+    rows = scale_rows(segments)
+    one = _run(kernel, x, w, s, rows, SplitK(1, 64, 128, 4, 2))
+    for block_k in (256, 512):
+        assert torch.equal(_run(kernel, x, w, s, rows, SplitK(1, 64, block_k, 4, 2)), one), block_k
+
+
+@device_test
 def test_fp8_splitk_rejects_bad_operands():
     kernel = _kernel()
     x, w, s = _case([64], 256, 2, seed=1)
     out = torch.empty(2, 64, dtype=torch.bfloat16, device=DEV)
     rows = scale_rows([64]).int().to(DEV)
-    with pytest.raises(ValueError, match="block_k must be 128"):
-        kernel.fp8_splitk_linear(x.to(DEV), w.to(DEV), s.to(DEV), rows, out, SplitK(1, 64, 256, 4, 2))
+    with pytest.raises(ValueError, match="block_k must be one of"):
+        kernel.fp8_splitk_linear(x.to(DEV), w.to(DEV), s.to(DEV), rows, out, SplitK(1, 64, 64, 4, 2))
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         kernel.fp8_splitk_linear(x.to(DEV), w.float().to(DEV), s.to(DEV), rows, out, SplitK(1, 64, 128, 4, 2))
     with pytest.raises(ValueError, match="do not match"):
@@ -172,3 +187,47 @@ def test_stock_cublas_probe(monkeypatch, caplog, transposed):
     assert float((out.float() - ref.float()).abs().max() / ref.float().abs().max()) <= MAX_REL
     assert list(fp8_block_cuda._TAKES.values()) == [not transposed]
     assert ("computed a" in caplog.text) == transposed
+
+
+def test_dense_tables_name_k31_shapes_and_never_split_k():
+    """``DEP_DENSE_FP8`` covers K3.1's one-at-a-time FP8 projections by shape, and no entry splits K (the shared
+    expert's down runs on a side stream beside the latent up, and split-K workspaces are shared per width)."""
+    from dep_compile import tactics  # noqa: PLC0415
+    from dep_compile.stock.config import preset  # noqa: PLC0415
+
+    c = preset("k31")
+    want = {(c.mla_heads * c.qk_head_dim, c.q_lora_rank), (c.index_heads * c.index_head_dim, c.q_lora_rank),
+            (c.kda_heads * c.kda_head_dim, c.kda_f_rank), (c.hidden_size, c.shared_intermediate),
+            (c.hidden_size, c.moe_latent_size)}
+    assert set(tactics.DEP_DENSE_FP8) == want
+    for table in tactics.DEP_DENSE_FP8.values():
+        for t in table.values():
+            assert isinstance(t, SplitK) and t.split_k == 1 and t.block_k in (128, 256, 512), t
+
+
+@device_test
+@pytest.mark.parametrize("m", [1, 40])
+def test_dense_linear_runs_the_fp8_table(monkeypatch, m):
+    """An FP8 weight whose shape has a table runs the split-K kernel on CUDA (once, within ``MAX_REL`` of stock) and
+    stock's op elsewhere (to the bit); a shape without one runs stock's op everywhere."""
+    kernel = _kernel()
+    from dep_compile import tactics  # noqa: PLC0415
+    from dep_compile.ops.dense import Fp8Weight, dense_linear  # noqa: PLC0415
+
+    n, k = 192, 384
+    x, w, s = _case([n], k, m, seed=11)
+    monkeypatch.setattr(tactics, "DEP_DENSE_FP8", {(n, k): {64: SplitK(1, 64, 256, 4, 2)}})
+    calls = []
+    real = kernel.fp8_splitk_linear
+    monkeypatch.setattr(kernel, "fp8_splitk_linear", lambda *a, **kw: calls.append(a[5]) or real(*a, **kw))
+    stock = torch.ops.kimi_k3.fp8_block_linear(x.to(DEV), w.to(DEV), s.to(DEV), [n]).cpu()
+    got = dense_linear(x.to(DEV), Fp8Weight(w.to(DEV), s.to(DEV))).cpu()
+    if DEV == "cuda":
+        assert calls == [SplitK(1, 64, 256, 4, 2)]
+        assert float((got.float() - stock.float()).abs().max() / stock.float().abs().max()) <= MAX_REL
+    else:
+        assert calls == [] and torch.equal(got, stock)
+    calls.clear()
+    x2, w2, s2 = (t.contiguous().to(DEV) for t in (x[:, :256], w[:, :256], s[:, :2]))  # K 256: no table
+    untabled = dense_linear(x2, Fp8Weight(w2, s2))
+    assert calls == [] and torch.equal(untabled, torch.ops.kimi_k3.fp8_block_linear(x2, w2, s2, [n]))

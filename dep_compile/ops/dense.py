@@ -2,7 +2,8 @@
 
 A layer rewritten from FP8 block-scaled projections (``stock/fp8_block.py``) hands its ops each weight's e4m3
 codes where the BF16 weight would go and the FP32 block scales in a ``scales`` list beside; ``Fp8Weight``
-pairs them again, and ``dense_linear`` runs whichever it is given as stock runs it.
+pairs them again, and ``dense_linear`` runs whichever it is given: BF16 as stock runs it, FP8 through kimi_dep's FP8
+split-K where ``tactics.DEP_DENSE_FP8`` has a tactic for the weight's shape and the batch on CUDA, else stock's op.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from .. import tactics
+from .projection import DepProjection
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +32,9 @@ def dense_weight(w: Tensor, scale: Tensor | None) -> Tensor | Fp8Weight:
 
 
 def dense_linear(x: Tensor, w: Tensor | Fp8Weight) -> Tensor:
-    """x [T, K] @ w^T -> [T, N] BF16, as stock computes it: ``F.linear``, or ``kimi_k3::fp8_block_linear``."""
+    """x [T, K] @ w^T -> [T, N] BF16: ``F.linear``, or for FP8 a one-segment ``DepProjection`` (module doc)."""
     if isinstance(w, Fp8Weight):
-        return torch.ops.kimi_k3.fp8_block_linear(x, w.codes, w.scale, [w.codes.shape[0]])
+        n, k = w.codes.shape
+        table = tactics.DEP_DENSE_FP8.get((n, k), {}) if x.is_cuda else {}
+        return DepProjection(f"fp8 {n}x{k}", table, (n,)).fp8(x, w.codes, w.scale)
     return F.linear(x, w)

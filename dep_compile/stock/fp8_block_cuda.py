@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from .fp8_block import BLOCK, FP8, scale_row_index
 
@@ -53,7 +54,10 @@ def _quantize_kernel(
     G,
     stride_xm,
     GROUPS: tl.constexpr,  # groups of 128 per program
+    LAUNCH_DEPENDENTS: tl.constexpr = False,  # let a programmatic dependent launch (kimi_dep's FP8 GEMM) start now
 ):
+    if LAUNCH_DEPENDENTS:
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)  # [GROUPS] group index
     col = g[:, None] * 128 + tl.arange(0, 128)[None, :]  # [GROUPS, 128]
@@ -65,14 +69,16 @@ def _quantize_kernel(
     tl.store(s_ptr + row * G + g, scale, mask=g < G)
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] bf16 (unit stride along K) -> (e4m3 codes [M, K], fp32 scales [M, ceil(K/128)]), stock's rule."""
+def quantize_activations(x: torch.Tensor, launch_dependents: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] bf16 (unit stride along K) -> (e4m3 codes [M, K], fp32 scales [M, ceil(K/128)]), stock's rule
+    (``launch_dependents``: the next kernel is a programmatic dependent launch that waits for these writes)."""
     m, k = x.shape
     groups = -(-k // BLOCK)
     xq = torch.empty(m, k, dtype=FP8, device=x.device)
     xs = torch.empty(m, groups, dtype=torch.float32, device=x.device)
     _quantize_kernel[(m, triton.cdiv(groups, _QUANT_GROUPS))](x, xq, xs, k, groups, x.stride(0),
-                                                               GROUPS=_QUANT_GROUPS, num_warps=4)
+                                                               GROUPS=_QUANT_GROUPS, LAUNCH_DEPENDENTS=launch_dependents,
+                                                               num_warps=4)
     return xq, xs
 
 
