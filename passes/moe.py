@@ -27,7 +27,7 @@ from dep_compile.ops.moe import EpMoeLayer
 from dep_compile.ops.projection import DepProjection
 from dep_compile.ops.shapes import size_hint
 from dep_compile.stock.mxfp4 import GROUP, Mxfp4Weight, group_size, random_mxfp4
-from dep_compile.stock.mxfp4_tiles import Mxfp4Tiles, as_mxfp4, check_tiles, tile_mxfp4
+from dep_compile.stock.mxfp4_tiles import Mxfp4Tiles, as_mxfp4, check_tiles, random_tiles, scale_range_why
 
 from .base import Found, LayerPass, PassContext, check_bf16, dense_scales, packed_segments, tagged
 from .calls import NoMatch, bind, call, constant, dtype_of, is_call, last_dim, op_args, op_name, require, scalar, val
@@ -194,8 +194,8 @@ class MoeMatch:
     front_segments: tuple | None  # FP8: the packed front's row segments (None: BF16)
 
     def probe_inputs(self, rng: ProbeRandom) -> ProbeInputs:
-        """A random layer input for the probe, and for MXFP4 experts random codes and E8M0 scales, re-packed into
-        the same tiles where the weights are tiles (the stock op and the replacement read the same; a MoE writes
+        """A random layer input for the probe, and for MXFP4 experts random codes and E8M0 scales, drawn as tiles of
+        the same shape where the weights are tiles (the stock op and the replacement read the same; a MoE writes
         no cache)."""
         xv = val(self.x)
         values = {self.x: rng.randn(xv.shape, xv.dtype)}
@@ -203,9 +203,10 @@ class MoeMatch:
             for codes, scales in (self.experts[:2], self.experts[2:]):
                 w = as_mxfp4("probe", val(codes), val(scales))
                 shape = tuple(size_hint(d) for d in w.shape)
-                drawn = Mxfp4Weight(*random_mxfp4(shape, rng.g, shape[-1] ** -0.5))
                 if isinstance(w, Mxfp4Tiles):
-                    drawn = tile_mxfp4(drawn, w.block_n, w.block_k)
+                    drawn = random_tiles(shape, w.block_n, w.block_k, rng.g, shape[-1] ** -0.5)
+                else:
+                    drawn = Mxfp4Weight(*random_mxfp4(shape, rng.g, shape[-1] ** -0.5))
                 values[codes], values[scales] = drawn[0].to(rng.device), drawn[1].to(rng.device)
         return ProbeInputs(values, {}, rng.size(xv.shape[0]))
 
@@ -226,6 +227,9 @@ def check_mxfp4_experts(ctx: PassContext, a: dict, latent: int) -> str:
             except ValueError as e:
                 raise NoMatch(str(e), a[f"{w}_scale"]) from None
             forms[w] = Mxfp4Tiles(codes, scales)
+            if not ctx.postgrad:  # real weights: the readers agree only on the bytes tile_mxfp4 writes
+                why = scale_range_why(forms[w])
+                require(why is None, f"{w}: {why}", a[f"{w}_scale"])
             continue
         require(codes.dtype == torch.uint8, f"{w} codes are {codes.dtype}, not uint8 (two E2M1 a byte) nor int32 tiles",
                 a[f"{w}_packed"])

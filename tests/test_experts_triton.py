@@ -505,7 +505,7 @@ def test_mxfp4_tiles_split_k_where_few_experts_are_touched(size):
 @pytest.mark.parametrize("T", [1, 16])
 def test_mxfp4_tiled_in_place_are_read_as_they_are(size, T):
     """Experts tiled in place at load time (``stock/mxfp4_tiles.tile_in_place``): the kernels read them with the
-    tiles' blocks whatever tactic is asked, keep no copy, and are bit-equal to the copy path and, through the MoE
+    tiles' blocks whatever tactic is asked and are bit-equal to the copy path and, through the MoE
     op's stock fallback, the stock op agrees with the reference."""
     from dep_compile.stock.mxfp4 import Mxfp4Weight
     from dep_compile.stock.mxfp4_tiles import tile_in_place
@@ -520,10 +520,22 @@ def test_mxfp4_tiled_in_place_are_read_as_they_are(size, T):
     asked = dataclasses.replace(tactic, block_n1=32, block_k=32, tiles=False)
     got = et.routed_experts_triton(x, t13, t2, w, ids, 0, BETA, BETA_LIN, tactic=asked)
     assert torch.equal(got, want) and float(got.abs().max()) > 0.1
-    assert all("_dep_mxfp4_tiles" not in t.words._base.__dict__ for t in (t13, t2))  # no copy made
     t2_other = tile_in_place(Mxfp4Weight(w2.packed.clone(), w2.scale.clone()), tactic.block_n2, 32)
     assert "one block_k" in et.unsupported(x, t13, t2_other, w, ids)
     assert "different formats" in et.unsupported(x, t13, w2, w, ids)
+
+
+@device_test
+def test_mxfp4_tiles_not_powers_of_two_are_left_to_stock():
+    """Tiles of 48 rows (legal for stock's op, which reads any) cannot compile in the kernels (tl.arange needs powers
+    of two): ``unsupported`` says so, so the MoE op falls back to stock."""
+    from dep_compile.stock.mxfp4_tiles import tile_mxfp4
+
+    et = _et()
+    x, w13, w2, w, ids = _mx_case(4, lat=64, inter=96, E=2, K=2, seed=3)
+    t13, t2 = tile_mxfp4(w13, 48, 32), tile_mxfp4(w2, 32, 32)
+    assert "powers of two" in et.unsupported(x, t13, t2, w, ids)
+    assert et.unsupported(x, tile_mxfp4(w13, 32, 32), t2, w, ids) is None
 
 
 @device_test

@@ -129,7 +129,8 @@ def test_validation_catches_a_kernel_that_reads_nibbles_the_other_way(monkeypatc
 
 # ---- tiles made at load time (stock/mxfp4_tiles.py): the checkpoint's bytes re-packed in place -------------------
 
-@pytest.mark.parametrize("E, N, K, bn, bk", [(3, 128, 256, 64, 128), (2, 64, 128, 16, 32), (2, 96, 192, 32, 64)])
+@pytest.mark.parametrize("E, N, K, bn, bk", [(3, 128, 256, 64, 128), (2, 64, 128, 16, 32), (2, 96, 192, 32, 64),
+                                             (2, 32, 96, 16, 32)])  # 3 scales a row: flat views
 def test_tiles_made_in_place_round_trip(E, N, K, bn, bk):
     """``tile_in_place`` writes ``tile_mxfp4``'s tiles into the codes' and scales' own storage, and
     ``untile_mxfp4`` gives back the checkpoint's bytes exactly."""
@@ -256,3 +257,68 @@ def test_validation_catches_a_kernel_that_reads_tile_rows_the_other_way(monkeypa
     bad = r.report.stock("moe")
     assert len(bad) == 3 and all(m.check == "semantic" for m in bad), r.report.table()
     assert r.logits_err == 0.0 and r.cache_err == 0.0
+
+
+def test_tile_is_all_or_nothing():
+    """A module whose w2 cannot be tiled in place (here: a misaligned view) keeps both weights bit for bit; a module
+    with one weight tiled says so."""
+    from dep_compile.stock.moe import Mxfp4Experts
+
+    e = build_model(_mxfp4(), seed=1).model.layers[1].mlp.experts
+    assert isinstance(e, Mxfp4Experts)
+    before = [t.clone() for t in (e.w13_weight_packed, e.w13_weight_scale, e.w2_weight_packed, e.w2_weight_scale)]
+    shifted = torch.empty(e.w2_weight_packed.numel() + 1, dtype=torch.uint8)[1:].view(e.w2_weight_packed.shape)
+    shifted.copy_(e.w2_weight_packed)
+    e.w2_weight_packed.data = shifted
+    with pytest.raises(ValueError, match="not aligned"):
+        e.tile_(32, 64)
+    now = (e.w13_weight_packed, e.w13_weight_scale, e.w2_weight_packed, e.w2_weight_scale)
+    assert all(torch.equal(a, b) for a, b in zip(now, before)) and not e.tiled
+    e.w2_weight_packed.data = before[2].clone()
+    e.tile_(16, 32)
+    assert e.tiled and e.w13_weight_packed.shape[-2:] == (32, 2)
+    e.w2_weight_packed.data = before[2]
+    with pytest.raises(ValueError, match="different layouts"):
+        e.tiled
+
+
+def test_tiled_experts_refuse_the_checkpoint_writer_and_init_weights():
+    """A model whose experts are tiles: the checkpoint writer and init_weights refuse with the reason (they would
+    write or draw the checkpoint's layout over words)."""
+    from dep_compile.integrations.checkpoint import checkpoint_tensors
+    from dep_compile.stock.model import init_weights
+
+    cfg = _mxfp4()
+    m = _tiled_model(cfg)
+    with pytest.raises(ValueError, match="experts are tiled"):
+        checkpoint_tensors(m.state_dict(), cfg)
+    with pytest.raises(ValueError, match="experts are tiled"):
+        init_weights(m)
+    assert any(".experts.0.w1.weight_packed" in k for k in checkpoint_tensors(build_model(cfg, seed=1).state_dict(),
+                                                                              cfg))
+
+
+def test_tile_scales_out_of_range_stay_stock():
+    """A tile scale byte the readers disagree on (255: E8M0 129, 2^2 on the CPU, another value on each GPU path)
+    leaves the MoE stock with the reason at compile time; exact against eager."""
+    cfg = _mxfp4()
+    m = _tiled_model(cfg)
+    for layer in m.model.layers[1:]:
+        layer.mlp.experts.w2_weight_scale.data[0, 0, 0, 0, 0] = 127 - 256 * 256 + (255 << 8)  # bytes 127, 255
+    r = run_pair(cfg, model=m, steps=2, batch=2)
+    stock = r.report.stock("moe")
+    assert len(stock) == 3 and all("outside 126..254" in s.reason for s in stock), r.report.table()
+    assert r.logits_err == 0.0 and r.cache_err == 0.0
+
+
+def test_random_tiles_are_tiles_of_random_weights():
+    """The probe's tiles, drawn as stored: words of every code, scale bytes s + 126 in random_mxfp4's range, and
+    they untile to a valid checkpoint weight of the right RMS."""
+    from dep_compile.stock.mxfp4_tiles import random_tiles, scale_range_why, untile_mxfp4
+
+    t = random_tiles((2, 64, 128), 32, 64, torch.Generator().manual_seed(0), 128 ** -0.5)
+    assert (t.block_n, t.block_k, tuple(t.shape)) == (32, 64, (2, 64, 128)) and scale_range_why(t) is None
+    w = untile_mxfp4(t)
+    assert set(unpack_codes(w.packed).unique().tolist()) == set(range(16))
+    rms = float(dequantize(w.packed, w.scale, torch.float32).pow(2).mean().sqrt())
+    assert 128 ** -0.5 / 1.5 < rms < 128 ** -0.5 * 1.5

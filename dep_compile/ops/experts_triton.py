@@ -581,6 +581,9 @@ def unsupported(x, w13, w2, topk_weights, topk_ids, tactic: ExpertsTactic = DEFA
         if w13.block_k != w2.block_k or (w13.shape[1] // 2) % w13.block_n:
             return (f"tiles w13 {w13.block_n} x {w13.block_k} / w2 {w2.block_n} x {w2.block_k} (one block_k, and "
                     "the up half starting at a tile, needed)")
+        if any(b & (b - 1) for b in (w13.block_n, w13.block_k, w2.block_n)):
+            return (f"tiles w13 {w13.block_n} x {w13.block_k} / w2 {w2.block_n} x {w2.block_k}: the kernels' tiles "
+                    "are powers of two (stock's op reads any)")
     elif mx13:
         for name, w in (("w13", w13), ("w2", w2)):
             if w.packed.dtype != torch.uint8 or w.scale.dtype != torch.uint8:

@@ -28,6 +28,8 @@ summed in block order (the same arithmetic at every block_k).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -36,12 +38,12 @@ from dep_compile.stock.fp8_block import BLOCK
 from dep_compile.stock.fp8_block_cuda import quantize_activations
 from dep_compile.tactics import SplitK
 
-from .splitk_triton import (_INTERPRET, gdc_wait, splitk_block_m, splitk_buffers, splitk_grid, splitk_k_per_split,
-                            splitk_store)
+from .splitk_triton import gdc_wait, splitk_block_m, splitk_buffers, splitk_grid, splitk_k_per_split, splitk_store
 
 __all__ = ["fp8_splitk_linear"]
 
 _SMEM_BYTES = 225 * 1024
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 STEP_K = (128, 256, 512)  # the block_k a tactic may take: 1, 2 or 4 scale blocks a loop step
 
 

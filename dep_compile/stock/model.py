@@ -114,6 +114,9 @@ def init_weights(model: nn.Module, seed: int = 0, dtype: torch.dtype = torch.bfl
         for name, p in params.items():
             leaf = name.rsplit(".", 1)[-1]
             if leaf.endswith("_weight_packed"):  # with its sibling "_weight_scale"
+                if p.dtype != torch.uint8:
+                    raise ValueError(f"init_weights: {name} is {p.dtype}: the MXFP4 experts are tiled (tile_); draw "
+                                     "weights before tiling")
                 packed, scale = random_mxfp4((*p.shape[:-1], 2 * p.shape[-1]), g, (2 * p.shape[-1]) ** -0.5)
                 p.data, params[name.replace("_packed", "_scale")].data = packed, scale
                 continue

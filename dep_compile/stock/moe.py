@@ -10,7 +10,7 @@ from torch import nn
 from .config import K3Config
 from .layers import RMSNorm, Router, SiTUMLP, dense_linear
 from .mxfp4 import GROUP, Mxfp4Weight
-from .mxfp4_tiles import LOAD_TILE, Mxfp4Tiles, tile_in_place, untileable
+from .mxfp4_tiles import LOAD_TILE, Mxfp4Tiles, in_place_why, tile_in_place
 
 log = logging.getLogger(__name__)
 
@@ -62,13 +62,16 @@ class Mxfp4Experts(_Experts):
 
     @property
     def tiled(self) -> bool:
-        """Whether the weights are held as tiles (``tile_``)."""
-        return self.w13_weight_packed.dtype == torch.int32
+        """Whether the weights are held as tiles (``tile_``); ValueError where only one of w13 / w2 is."""
+        w13, w2 = self.w13_weight_packed.dtype == torch.int32, self.w2_weight_packed.dtype == torch.int32
+        if w13 != w2:
+            raise ValueError("Mxfp4Experts: w13 and w2 are in different layouts (tiles and the checkpoint's)")
+        return w13
 
     @torch.no_grad()
     def tile_(self, block_n: int = LOAD_TILE[0], block_k: int = LOAD_TILE[1]) -> None:
         """Re-pack w13 and w2 into ``block_n`` x ``block_k`` tiles in their own storage (no copy: what kimi_dep's
-        experts kernel reads); ValueError with the reason where they cannot be, leaving both as they were."""
+        experts kernel reads); ValueError with the reason where either cannot be, leaving both as they were."""
         if self.tiled:
             return
         inter = self.w13_weight_packed.shape[1] // 2
@@ -76,7 +79,7 @@ class Mxfp4Experts(_Experts):
         w2 = Mxfp4Weight(self.w2_weight_packed, self.w2_weight_scale)
         if inter % block_n:
             raise ValueError(f"tile_: the up half starts inside a {block_n}-row tile ({inter} gate rows)")
-        why = untileable(w13, block_n, block_k) or untileable(w2, block_n, block_k)
+        why = in_place_why(w13, block_n, block_k) or in_place_why(w2, block_n, block_k)
         if why:
             raise ValueError(f"tile_: {why}")
         for names, w in ((("w13_weight_packed", "w13_weight_scale"), w13), (("w2_weight_packed", "w2_weight_scale"), w2)):

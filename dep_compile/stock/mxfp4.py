@@ -83,19 +83,23 @@ def random_mxfp4(shape: tuple[int, ...], generator: torch.Generator, std: float)
     """Random MXFP4 codes and scales for a weight of ``shape [..., N, K]``, on ``generator``'s device:
     (packed uint8, E8M0 uint8).
 
-    Codes are drawn uniformly (their values have an RMS of 2.93); each group's scale is the power of
-    two nearest ``std / 2.93``, times 2^-1, 1 or 2 at random, so the weights' RMS is within 1.4x of ``std``.
+    Codes are drawn uniformly (their values have an RMS of 2.93); each group's scale is ``random_e8m0``'s, so the
+    weights' RMS is within 1.4x of ``std``.
     """
     *lead, n, k = shape
     if k % GROUP:
         raise ValueError(f"MXFP4 weights need K divisible by {GROUP}, got {k}")
-    dev = generator.device
-    packed = torch.randint(0, 256, (*lead, n, k // 2), generator=generator, dtype=torch.int32, device=dev)
+    packed = torch.randint(0, 256, (*lead, n, k // 2), generator=generator, dtype=torch.int32, device=generator.device)
+    return packed.to(torch.uint8), random_e8m0((*lead, n, k // GROUP), generator, std)
+
+
+def random_e8m0(shape: tuple[int, ...], generator: torch.Generator, std: float) -> Tensor:
+    """Random E8M0 group scales (uint8 ``shape``) for uniform E2M1 codes: the power of two nearest ``std / 2.93``,
+    times 2^-1, 1 or 2 at random."""
     rms = (sum(v * v for v in E2M1) / len(E2M1)) ** 0.5
     center = E8M0_BIAS + round(torch.tensor(std / rms).log2().item())
-    scale = center + torch.randint(-1, 2, (*lead, n, k // GROUP), generator=generator, device=dev)
-    return packed.to(torch.uint8), scale.to(torch.uint8)
+    return (center + torch.randint(-1, 2, shape, generator=generator, device=generator.device)).to(torch.uint8)
 
 
 __all__ = ["GROUP", "E8M0_BIAS", "E2M1", "Mxfp4Weight", "group_size", "check_mxfp4", "unpack_codes", "scale_values", "dequantize",
-           "random_mxfp4"]
+           "random_mxfp4", "random_e8m0"]

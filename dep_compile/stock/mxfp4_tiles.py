@@ -38,7 +38,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .mxfp4 import GROUP, Mxfp4Weight, check_mxfp4, group_size
+from .mxfp4 import GROUP, Mxfp4Weight, check_mxfp4, group_size, random_e8m0
 
 SCALE_MAX = 128  # largest E8M0 code whose 2^(s - 1) is a normal BF16 (the folded scale)
 ROTATIONS = ((0, 0), (3, 3), (17, 6), (18, 13))  # (sign, magnitude) left rotations of a word giving R0 .. R3
@@ -54,10 +54,12 @@ class Mxfp4Tiles(NamedTuple):
 
     @property
     def block_n(self) -> int:
+        """Rows of a tile."""
         return self.words.shape[-2] // 2
 
     @property
     def block_k(self) -> int:
+        """Inputs of a tile."""
         return self.words.shape[-1] * 16
 
     @property
@@ -67,6 +69,7 @@ class Mxfp4Tiles(NamedTuple):
         return torch.Size((E, nt * self.block_n, kt * self.block_k))
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+        """The weight ``[E, N, K]`` in ``dtype`` (exact in BF16)."""
         return untile_mxfp4(self).dequantize(dtype)
 
 
@@ -174,22 +177,52 @@ def untile_mxfp4(t: Mxfp4Tiles) -> Mxfp4Weight:
     return Mxfp4Weight(packed, scale)
 
 
-def tile_in_place(w: Mxfp4Weight, block_n: int = LOAD_TILE[0], block_k: int = LOAD_TILE[1]) -> Mxfp4Tiles:
-    """Re-pack ``w`` into tiles in its own storage (the same bytes, one expert at a time: nothing of the size of
-    the weight is allocated); ``w``'s codes and scales read as tiles afterwards. ValueError where ``untileable``
-    says why, or where the storage cannot be viewed as words (not contiguous, misaligned)."""
+def in_place_why(w: Mxfp4Weight, block_n: int, block_k: int) -> str | None:
+    """Why ``w`` cannot be re-packed into tiles in its own storage (None when it can): ``untileable``'s reasons,
+    or storage that cannot be viewed as words (not contiguous, misaligned)."""
     why = untileable(w, block_n, block_k)
     if why is None and not (w.packed.is_contiguous() and w.scale.is_contiguous()):
         why = "codes or scales not contiguous"
     if why is None and (w.packed.data_ptr() % 4 or w.scale.data_ptr() % 2):
         why = "codes or scales not aligned to their words"
+    return why
+
+
+def tile_in_place(w: Mxfp4Weight, block_n: int = LOAD_TILE[0], block_k: int = LOAD_TILE[1]) -> Mxfp4Tiles:
+    """Re-pack ``w`` into tiles in its own storage (the same bytes, one expert at a time: nothing of the size of
+    the weight is allocated); ``w``'s codes and scales read as tiles afterwards. ValueError where ``in_place_why``
+    says why."""
+    why = in_place_why(w, block_n, block_k)
     if why:
         raise ValueError(f"tile_in_place: {why}")
     E, N, K = w.shape
-    out = Mxfp4Tiles(w.packed.view(torch.int32).view(E, N // block_n, K // block_k, 2 * block_n, block_k // 16),
-                     w.scale.view(torch.int16).view(E, N // block_n, K // block_k, block_n // 2, block_k // GROUP))
-    return tile_mxfp4(w, block_n, block_k, out=out)
+    words = w.packed.reshape(-1).view(torch.int32).view(E, N // block_n, K // block_k, 2 * block_n, block_k // 16)
+    scales = w.scale.reshape(-1).view(torch.int16).view(E, N // block_n, K // block_k, block_n // 2, block_k // GROUP)
+    return tile_mxfp4(w, block_n, block_k, out=Mxfp4Tiles(words, scales))
+
+
+def scale_range_why(t: Mxfp4Tiles) -> str | None:
+    """Why the tiles' scale bytes are not what ``tile_mxfp4`` writes (each ``s + 126`` with ``s <= SCALE_MAX``;
+    the readers disagree on any other byte), None when they are; reads every scale (a device sync)."""
+    v = t.scales.to(torch.int32) & 0xFFFF
+    lo, hi = int(torch.minimum(v & 255, v >> 8).min()), int(torch.maximum(v & 255, v >> 8).max())
+    if lo < 126 or hi > 126 + SCALE_MAX:
+        return f"tile scale bytes {lo}..{hi} outside {126}..{126 + SCALE_MAX} (E8M0 0..{SCALE_MAX} plus 126)"
+    return None
+
+
+def random_tiles(shape: tuple[int, int, int], block_n: int, block_k: int, generator: torch.Generator,
+                 std: float) -> Mxfp4Tiles:
+    """Random tiles of a weight ``[E, N, K]``, on ``generator``'s device, drawn as they are stored: any word is
+    eight uniform codes, each scale byte ``random_e8m0``'s plus 126 (what ``random_mxfp4`` then ``tile_mxfp4``
+    draws, without the re-pack)."""
+    E, N, K = shape
+    lead = (E, N // block_n, K // block_k)
+    words = torch.randint(0, 256, (*lead, 2 * block_n, block_k // 4), generator=generator, dtype=torch.uint8,
+                          device=generator.device).view(torch.int32)
+    pairs = random_e8m0((*lead, block_n // 2, block_k // GROUP, 2), generator, std).to(torch.int16) + 126
+    return Mxfp4Tiles(words, pairs[..., 0] | (pairs[..., 1] << 8))
 
 
 __all__ = ["SCALE_MAX", "ROTATIONS", "LOAD_TILE", "Mxfp4Tiles", "check_tiles", "as_mxfp4", "untileable", "code_bits",
-           "tile_mxfp4", "untile_mxfp4", "tile_in_place"]
+           "tile_mxfp4", "untile_mxfp4", "in_place_why", "tile_in_place", "scale_range_why", "random_tiles"]
