@@ -130,9 +130,9 @@ def checkpoint_tensors(state_dict: dict[str, torch.Tensor], cfg: K3Config,
                 out[f"{parent}.{part}.{leaf}"] = t[start:start + rows].contiguous()
                 start += rows
         elif module == "experts":
-            if leaf.endswith("_weight_packed") and t.dtype != torch.uint8:
+            if leaf.endswith(("_weight_packed", "_weight_scale")) and t.dtype != torch.uint8:  # tiles' int32 / int16
                 raise ValueError(f"checkpoint_tensors: {name} is {t.dtype}: the MXFP4 experts are tiled "
-                                 "(stock.mxfp4_tiles.untile_mxfp4 gives the checkpoint's layout back)")
+                                 "(dep_compile.stock.mxfp4_tiles.untile_mxfp4 gives the checkpoint's layout back)")
             I = cfg.moe_intermediate
             stack, _, suffix = leaf.partition("_")  # w13_weight_packed -> w13, weight_packed
             for e in range(t.shape[0]):
