@@ -526,16 +526,24 @@ def test_mxfp4_tiled_in_place_are_read_as_they_are(size, T):
 
 
 @device_test
-def test_mxfp4_tiles_not_powers_of_two_are_left_to_stock():
-    """Tiles of 48 rows (legal for stock's op, which reads any) cannot compile in the kernels (tl.arange needs powers
-    of two): ``unsupported`` says so, so the MoE op falls back to stock."""
+@pytest.mark.parametrize("bn13, bn2, bk", [(48, 32, 32), (32, 48, 32), (32, 32, 96)])
+def test_mxfp4_tiles_not_powers_of_two_are_left_to_stock(bn13, bn2, bk, monkeypatch, caplog):
+    """Tiles of 48 rows or 96 inputs (legal for stock's op, which reads any) cannot compile in the kernels (tl.arange
+    needs powers of two): ``unsupported`` says so, and the MoE op runs stock's op on them, logged."""
+    from dep_compile.ops import fallbacks
+    from dep_compile.stock.moe import stock_routed_experts
     from dep_compile.stock.mxfp4_tiles import tile_mxfp4
 
     et = _et()
-    x, w13, w2, w, ids = _mx_case(4, lat=64, inter=96, E=2, K=2, seed=3)
-    t13, t2 = tile_mxfp4(w13, 48, 32), tile_mxfp4(w2, 32, 32)
+    x, w13, w2, w, ids = _mx_case(4, lat=96, inter=96, E=2, K=2, seed=3)
+    t13, t2 = tile_mxfp4(w13, bn13, bk), tile_mxfp4(w2, bn2, bk)
     assert "powers of two" in et.unsupported(x, t13, t2, w, ids)
-    assert et.unsupported(x, tile_mxfp4(w13, 32, 32), t2, w, ids) is None
+    monkeypatch.setattr(fallbacks, "LOGGED", set())
+    with caplog.at_level("WARNING", logger=fallbacks.__name__):
+        got = et.routed_experts_dep(x, t13, t2, w, ids, 0, 1, BETA, BETA_LIN)
+    assert "powers of two" in caplog.text and "the stock routed-experts op" in caplog.text
+    assert torch.equal(got, stock_routed_experts(x, t13, t2, w, ids, 0, 1, BETA, BETA_LIN))
+    assert et.unsupported(x, tile_mxfp4(w13, 32, 32), tile_mxfp4(w2, 32, 32), w, ids) is None
 
 
 @device_test

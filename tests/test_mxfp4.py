@@ -259,18 +259,31 @@ def test_validation_catches_a_kernel_that_reads_tile_rows_the_other_way(monkeypa
     assert r.logits_err == 0.0 and r.cache_err == 0.0
 
 
-def test_tile_is_all_or_nothing():
-    """A module whose w2 cannot be tiled in place (here: a misaligned view) keeps both weights bit for bit; a module
-    with one weight tiled says so."""
+def _misaligned(t: torch.Tensor, mid_word: bool) -> torch.Tensor:
+    """A copy of uint8 ``t`` not at a word: at an odd address, or (``mid_word``) at a word-aligned address that is
+    not a word of its storage (a buffer whose storage starts mid-word), which ``view(torch.int32)`` refuses."""
+    if not mid_word:
+        return torch.empty(t.numel() + 1, dtype=torch.uint8)[1:].view(t.shape).copy_(t)
+    buf = bytearray(t.numel() + 8)
+    start = 1 + (torch.frombuffer(buf, dtype=torch.uint8).data_ptr() % 4 == 3)  # the storage starts mid-word
+    storage = torch.frombuffer(buf, dtype=torch.uint8, offset=start)
+    skip = -storage.data_ptr() % 4  # 1..3: word-aligned address, offset not a multiple of 4
+    out = storage[skip:skip + t.numel()].view(t.shape).copy_(t)
+    assert out.data_ptr() % 4 == 0 and out.storage_offset() % 4
+    return out
+
+
+@pytest.mark.parametrize("mid_word", [False, True])
+def test_tile_is_all_or_nothing(mid_word):
+    """A module whose w2 cannot be tiled in place (codes at an odd address, or at a word-aligned address that is no
+    word of their storage) keeps both weights bit for bit; a module with one weight tiled says so."""
     from dep_compile.stock.moe import Mxfp4Experts
 
     e = build_model(_mxfp4(), seed=1).model.layers[1].mlp.experts
     assert isinstance(e, Mxfp4Experts)
     before = [t.clone() for t in (e.w13_weight_packed, e.w13_weight_scale, e.w2_weight_packed, e.w2_weight_scale)]
-    shifted = torch.empty(e.w2_weight_packed.numel() + 1, dtype=torch.uint8)[1:].view(e.w2_weight_packed.shape)
-    shifted.copy_(e.w2_weight_packed)
-    e.w2_weight_packed.data = shifted
-    with pytest.raises(ValueError, match="not aligned"):
+    e.w2_weight_packed.data = _misaligned(e.w2_weight_packed, mid_word)
+    with pytest.raises(ValueError, match="tile_: w2: codes or scales not aligned"):
         e.tile_(32, 64)
     now = (e.w13_weight_packed, e.w13_weight_scale, e.w2_weight_packed, e.w2_weight_scale)
     assert all(torch.equal(a, b) for a, b in zip(now, before)) and not e.tiled
@@ -309,6 +322,22 @@ def test_tile_scales_out_of_range_stay_stock():
     stock = r.report.stock("moe")
     assert len(stock) == 3 and all("outside 126..254" in s.reason for s in stock), r.report.table()
     assert r.logits_err == 0.0 and r.cache_err == 0.0
+
+
+@pytest.mark.parametrize("low, high, seen", [(126, 254, None), (125, 200, "125..254"), (126, 255, "126..255"),
+                                             (0, 130, "0..254")])
+def test_tile_scale_range_is_what_tile_mxfp4_writes(low, high, seen):
+    """``scale_range_why`` accepts the bytes ``tile_mxfp4`` writes for E8M0 0 .. SCALE_MAX (126 .. 254, either byte
+    of a pair) and names the range it saw otherwise."""
+    from dep_compile.stock.mxfp4_tiles import scale_range_why, tile_mxfp4
+
+    w = Mxfp4Weight(*random_mxfp4((1, 32, 64), torch.Generator().manual_seed(5), 0.05))
+    w.scale[0, 0, 0], w.scale[0, 8, 1] = 0, 128  # E8M0 0 and SCALE_MAX: bytes 126 and 254
+    t = tile_mxfp4(w, 32, 64)
+    assert scale_range_why(t) is None
+    t.scales[0, 0, 0, 3, 1] = (high << 8 | low) - (1 << 16 if high >= 128 else 0)  # row 3's byte low, row 11's high
+    why = scale_range_why(t)
+    assert why is None if seen is None else f"tile scale bytes {seen} outside 126..254" in why
 
 
 def test_random_tiles_are_tiles_of_random_weights():

@@ -79,12 +79,13 @@ class Mxfp4Experts(_Experts):
         w2 = Mxfp4Weight(self.w2_weight_packed, self.w2_weight_scale)
         if inter % block_n:
             raise ValueError(f"tile_: the up half starts inside a {block_n}-row tile ({inter} gate rows)")
-        why = in_place_why(w13, block_n, block_k) or in_place_why(w2, block_n, block_k)
-        if why:
-            raise ValueError(f"tile_: {why}")
-        for names, w in ((("w13_weight_packed", "w13_weight_scale"), w13), (("w2_weight_packed", "w2_weight_scale"), w2)):
+        for name, w in (("w13", w13), ("w2", w2)):
+            why = in_place_why(w, block_n, block_k)
+            if why:
+                raise ValueError(f"tile_: {name}: {why}")
+        for name, w in (("w13", w13), ("w2", w2)):  # both checked: no step below refuses
             tiles = tile_in_place(w, block_n, block_k)
-            getattr(self, names[0]).data, getattr(self, names[1]).data = tiles.words, tiles.scales
+            getattr(self, f"{name}_weight_packed").data, getattr(self, f"{name}_weight_scale").data = tiles
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         return torch.ops.kimi_k3.routed_experts_mxfp4(

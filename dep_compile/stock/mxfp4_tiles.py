@@ -179,12 +179,13 @@ def untile_mxfp4(t: Mxfp4Tiles) -> Mxfp4Weight:
 
 def in_place_why(w: Mxfp4Weight, block_n: int, block_k: int) -> str | None:
     """Why ``w`` cannot be re-packed into tiles in its own storage (None when it can): ``untileable``'s reasons,
-    or storage that cannot be viewed as words (not contiguous, misaligned)."""
+    or storage that cannot be viewed as words (not contiguous, misaligned in memory or in its storage)."""
     why = untileable(w, block_n, block_k)
     if why is None and not (w.packed.is_contiguous() and w.scale.is_contiguous()):
         why = "codes or scales not contiguous"
-    if why is None and (w.packed.data_ptr() % 4 or w.scale.data_ptr() % 2):
-        why = "codes or scales not aligned to their words"
+    if why is None and any(v % size for t, size in ((w.packed, 4), (w.scale, 2))
+                           for v in (t.data_ptr(), t.storage_offset())):  # address: word loads; offset: view(dtype)
+        why = "codes or scales not aligned to their words (address or offset in their storage)"
     return why
 
 
