@@ -68,7 +68,7 @@ CONFIGS = ((1, 64, 4, 6, 128, 1), (1, 64, 4, 6, 128, 0), (1, 64, 4, 3, 256, 1), 
 
 def config(c: tuple) -> tuple[SplitK, bool]:
     """A sweep entry -> (its tactic, whether the GEMM is a PDL launch; the default is the op's, PDL)."""
-    sk, bn, nw, st, bk, pdl = (tuple(c) + (128, 1)[len(c) - 4:])[:6]
+    sk, bn, nw, st, bk, pdl = (*c, *(128, 1)[len(c) - 4:])  # block_k 128 and PDL unless given
     return SplitK(sk, bn, bk, nw, st), bool(pdl)
 
 

@@ -34,7 +34,6 @@ def dense_weight(w: Tensor, scale: Tensor | None) -> Tensor | Fp8Weight:
 def dense_linear(x: Tensor, w: Tensor | Fp8Weight) -> Tensor:
     """x [T, K] @ w^T -> [T, N] BF16: ``F.linear``, or for FP8 a one-segment ``DepProjection`` (module doc)."""
     if isinstance(w, Fp8Weight):
-        n, k = w.codes.shape
-        table = tactics.DEP_DENSE_FP8.get((n, k), {}) if x.is_cuda else {}
-        return DepProjection(f"fp8 {n}x{k}", table, (n,)).fp8(x, w.codes, w.scale)
+        n, k = w.codes.shape  # DepProjection.fp8 runs stock's op off CUDA whatever the table says
+        return DepProjection(f"fp8 {n}x{k}", tactics.DEP_DENSE_FP8.get((n, k), {}), (n,)).fp8(x, w.codes, w.scale)
     return F.linear(x, w)

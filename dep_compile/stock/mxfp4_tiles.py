@@ -41,6 +41,7 @@ from torch import Tensor
 from .mxfp4 import GROUP, Mxfp4Weight, check_mxfp4, group_size, random_e8m0
 
 SCALE_MAX = 128  # largest E8M0 code whose 2^(s - 1) is a normal BF16 (the folded scale)
+SCALE_OFFSET = 126  # a tile's scale byte is s + 126: the BF16 exponent of 2^(s - 1)
 ROTATIONS = ((0, 0), (3, 3), (17, 6), (18, 13))  # (sign, magnitude) left rotations of a word giving R0 .. R3
 LOAD_TILE = (64, 128)  # (block_n, block_k) of the tiles made at load time: the default MXFP4 tactic's
 _ORDER = (0, 4, 1, 3, 7, 5, 2, 8, 6)  # (t, w, h, g, kt, j, half, q, lane) -> (t, kt, w, g, q, j, h, lane, half)
@@ -151,7 +152,7 @@ def tile_mxfp4(w: Mxfp4Weight, block_n: int, block_k: int, out: Mxfp4Tiles | Non
         for h, lane, half in itertools.product(range(2), repeat=3):
             word |= _placed(c[..., h, lane, half], 2 * half + h, lane)
         out.words[e] = torch.where(word >= 2**31, word - 2**32, word).reshape(nt, kt, 2 * block_n, jn)
-        s = (w.scale[e].to(torch.int16) + 126).reshape(nt, wn, 2, 8, kt, groups)  # t, w, h, g, kt, G
+        s = (w.scale[e].to(torch.int16) + SCALE_OFFSET).reshape(nt, wn, 2, 8, kt, groups)  # t, w, h, g, kt, G
         out.scales[e] = (s[:, :, 0] | (s[:, :, 1] << 8)).permute(0, 3, 1, 2, 4).reshape(nt, kt, block_n // 2, groups)
     return out
 
@@ -173,7 +174,7 @@ def untile_mxfp4(t: Mxfp4Tiles) -> Mxfp4Weight:
         packed[e] = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
         v = t.scales[e].reshape(nt, kt, wn, 8, groups).to(torch.int32) & 0xFFFF  # t, kt, w, g, G
         s = torch.stack([v & 255, v >> 8], 3).permute(0, 2, 3, 4, 1, 5)  # t, w, h, g, kt, G
-        scale[e] = (s.reshape(N, K // GROUP) - 126).to(torch.uint8)
+        scale[e] = (s.reshape(N, K // GROUP) - SCALE_OFFSET).to(torch.uint8)
     return Mxfp4Weight(packed, scale)
 
 
@@ -205,10 +206,11 @@ def tile_in_place(w: Mxfp4Weight, block_n: int = LOAD_TILE[0], block_k: int = LO
 def scale_range_why(t: Mxfp4Tiles) -> str | None:
     """Why the tiles' scale bytes are not what ``tile_mxfp4`` writes (each ``s + 126`` with ``s <= SCALE_MAX``;
     the readers disagree on any other byte), None when they are; reads every scale (a device sync)."""
-    v = t.scales.to(torch.int32) & 0xFFFF
-    lo, hi = int(torch.minimum(v & 255, v >> 8).min()), int(torch.maximum(v & 255, v >> 8).max())
-    if lo < 126 or hi > 126 + SCALE_MAX:
-        return f"tile scale bytes {lo}..{hi} outside {126}..{126 + SCALE_MAX} (E8M0 0..{SCALE_MAX} plus 126)"
+    b = t.scales.view(torch.uint8)  # both bytes of every pair
+    lo, hi = int(b.min()), int(b.max())
+    if lo < SCALE_OFFSET or hi > SCALE_OFFSET + SCALE_MAX:
+        return (f"tile scale bytes {lo}..{hi} outside {SCALE_OFFSET}..{SCALE_OFFSET + SCALE_MAX} "
+                f"(E8M0 0..{SCALE_MAX} plus {SCALE_OFFSET})")
     return None
 
 
@@ -221,9 +223,9 @@ def random_tiles(shape: tuple[int, int, int], block_n: int, block_k: int, genera
     lead = (E, N // block_n, K // block_k)
     words = torch.randint(0, 256, (*lead, 2 * block_n, block_k // 4), generator=generator, dtype=torch.uint8,
                           device=generator.device).view(torch.int32)
-    pairs = random_e8m0((*lead, block_n // 2, block_k // GROUP, 2), generator, std).to(torch.int16) + 126
+    pairs = random_e8m0((*lead, block_n // 2, block_k // GROUP, 2), generator, std).to(torch.int16) + SCALE_OFFSET
     return Mxfp4Tiles(words, pairs[..., 0] | (pairs[..., 1] << 8))
 
 
-__all__ = ["SCALE_MAX", "ROTATIONS", "LOAD_TILE", "Mxfp4Tiles", "check_tiles", "as_mxfp4", "untileable", "code_bits",
+__all__ = ["SCALE_MAX", "SCALE_OFFSET", "ROTATIONS", "LOAD_TILE", "Mxfp4Tiles", "check_tiles", "as_mxfp4", "untileable", "code_bits",
            "tile_mxfp4", "untile_mxfp4", "in_place_why", "tile_in_place", "scale_range_why", "random_tiles"]
