@@ -34,8 +34,9 @@ peak, summed; it exceeds the bytes floor where verify steps make the dense GEMMs
 over it; parity: the logits' relative
 Frobenius error against eager for each side, and routing agreement (the fraction of (token,
 expert) picks equal to eager's, over every MoE layer; ``record_routing``). ``--profile`` adds a
-per-kernel breakdown of one point, grouped by kernel family (``KERNEL_GROUPS``), from profiled
-CUDA-graph replays. Writes ``decoder.json`` (after every point), ``decoder.png`` and
+per-kernel breakdown of one point, grouped by kernel family (``KERNEL_GROUPS``), from a profiled
+CUDA-graph replay: GPU time summed over streams, and where the wall time went (each instant to the one
+family running then, to two or more at once, or to no kernel: ``common.wall_attribution``). Writes ``decoder.json`` (after every point), ``decoder.png`` and
 ``decoder.md`` (the table) under ``--out``.
 
 Under ``torchrun`` (more than one rank: DEP, ``dep_ranks.py``) every rank builds the same slice, keeps its
@@ -259,21 +260,27 @@ def time_wall(fn, calls: int = 3) -> float:
     return statistics.median(out)
 
 
-def kernel_groups(step, replays: int = 3) -> list[dict]:
-    """GPU µs per step of one CUDA-graph-captured ``step()``, summed by ``KERNEL_GROUPS``, largest first."""
-    from common import kernel_profile
+def group_of(kernel: str) -> str:
+    """The ``KERNEL_GROUPS`` family of a kernel name ("other" if none matches)."""
+    name = kernel.lower()
+    return next((g for g, keys in KERNEL_GROUPS if any(key in name for key in keys)), "other")
 
+
+def kernel_groups(step, replays: int = 3) -> tuple[list[dict], dict]:
+    """One CUDA-graph-captured ``step()``, traced: GPU µs per step summed by ``KERNEL_GROUPS`` (over streams,
+    largest first), and where its wall time went (``common.wall_attribution``)."""
+    from common import kernel_trace, wall_attribution
+
+    kernels = kernel_trace(step, replays)
     totals: dict[str, list] = {}
-    for k in kernel_profile(step, replays, top=None, name_chars=None):
-        name = k["kernel"].lower()
-        group = next((g for g, keys in KERNEL_GROUPS if any(key in name for key in keys)), "other")
-        t = totals.setdefault(group, [0.0, 0.0, {}])
-        t[0] += k["us"]
-        t[1] += k["launches"]
-        t[2][k["kernel"][:70]] = t[2].get(k["kernel"][:70], 0.0) + k["us"]
+    for k in kernels:
+        t = totals.setdefault(group_of(k["name"]), [0.0, 0, {}])
+        t[0] += k["dur"]
+        t[1] += 1
+        t[2][k["name"][:70]] = t[2].get(k["name"][:70], 0.0) + k["dur"]
     rows = [dict(group=g, us=us, launches=n, top=sorted(ks.items(), key=lambda kv: -kv[1])[:3])
             for g, (us, n, ks) in totals.items()]
-    return sorted(rows, key=lambda r: -r["us"])
+    return sorted(rows, key=lambda r: -r["us"]), wall_attribution(kernels, group_of)
 
 
 def measure_point(model, args, rows: int, q: int, context: int, device, full=None) -> dict:
@@ -337,7 +344,7 @@ def measure_point(model, args, rows: int, q: int, context: int, device, full=Non
                 out[f"{side}_hand_us"] = time_graph(lambda i: pt.run(fn), args.steps)["median_us"]
                 out[f"{side}_tokens_per_s"] = rows * q * 1e6 / out[f"{side}_hand_us"]  # tokens the step decodes
                 if args.profile and (rows, q, context) == tuple(args.profile_point):
-                    out[f"{side}_kernels"] = kernel_groups(lambda: pt.run(fn))
+                    out[f"{side}_kernels"], out[f"{side}_wall"] = kernel_groups(lambda: pt.run(fn))
                 say(f"{side} hand {out[f'{side}_hand_us']:.0f} µs")
             if "ro" in args.modes:
                 from torch._dynamo.utils import counters
@@ -505,7 +512,7 @@ def main(argv=None) -> list[dict]:
                 torch._dynamo.reset()
                 if rank:
                     continue
-                print({k: v for k, v in p.items() if not k.endswith("_kernels") and k != "ranks"}, flush=True)
+                print({k: v for k, v in p.items() if not k.endswith(("_kernels", "_wall")) and k != "ranks"}, flush=True)
                 write_json(os.path.join(args.out, "decoder.json"), {**meta, "points": points})
     if rank:
         return points
@@ -516,6 +523,15 @@ def main(argv=None) -> list[dict]:
             for g in p.get(f"{side}_kernels", []):
                 print(f"{side} rows={p['rows']} q={p['q']} ctx={p['context']}: {g['group']:<42} {g['us']:8.1f} µs "
                       f"{g['launches']:5.0f} launches  {g['top'][:2]}")
+            wall = p.get(f"{side}_wall")
+            if wall:
+                print(f"{side} rows={p['rows']} q={p['q']} ctx={p['context']}: wall {wall['span_us']:.1f} µs = "
+                      f"{wall['overlapped_us']:.1f} two or more groups at once + {wall['idle_us']:.1f} no kernel "
+                      f"({wall['idle_gaps']} gaps) + one group alone:")
+                for g, us in wall["alone_us"].items():
+                    print(f"    {g:<42} {us:8.1f} µs alone")
+                for gap in wall["longest_idle"]:
+                    print(f"    idle {gap['us']:6.1f} µs after {gap['after']} before {gap['before']}")
     with open(os.path.join(args.out, "decoder.md"), "w") as f:
         f.write(f"`{meta['command']}`\n\n{text}\n")
     plot(os.path.join(args.out, "decoder.png"), points)

@@ -177,6 +177,66 @@ def kernel_profile(step: Callable[[], object], replays: int = 5, top: int | None
     return sorted(rows, key=lambda r: -r["us"])[:top]
 
 
+def kernel_trace(step: Callable[[], object], replays: int = 3) -> list[dict[str, object]]:
+    """The kernels of the last of ``replays`` profiled CUDA-graph replays of ``step()``: name, stream, start
+    and duration (µs, from the trace's clock), by start."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = capture_graph(step)
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    graph.reset()
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"]
+    events.sort(key=lambda e: e["ts"])
+    return [dict(name=e["name"], stream=e["args"].get("stream"), ts=float(e["ts"]), dur=float(e["dur"]))
+            for e in events[-(len(events) // replays):]]
+
+
+def wall_attribution(kernels: Sequence[Mapping[str, object]], group_of: Callable[[str], str],
+                     gaps: int = 8) -> dict[str, object]:
+    """Where the wall time of one traced step went: each instant goes to the one kernel group running then
+    (``alone_us``), to two or more groups at once (``overlapped_us``), or to no kernel (``idle_us``: launch
+    latency, waits); the three sum to the step's span. ``longest_idle``: the ``gaps`` longest idle stretches,
+    with the kernels that ended and started around each."""
+    marks = sorted([(k["ts"], 1, k["name"]) for k in kernels] + [(k["ts"] + k["dur"], -1, k["name"]) for k in kernels],
+                   key=lambda m: (m[0], m[1]))  # at one instant, ends before starts
+    active: dict[str, int] = {}
+    alone: dict[str, float] = {}
+    overlapped = idle = 0.0
+    spans = []
+    last_end = "-"
+    for (t, kind, name), (t_next, _, next_name) in zip(marks, marks[1:] + [(marks[-1][0], 0, "-")] if marks else []):
+        g = group_of(name)
+        active[g] = active.get(g, 0) + kind
+        if kind < 0:
+            last_end = name
+        live = [x for x, n in active.items() if n > 0]
+        dt = t_next - t
+        if dt <= 0:
+            continue
+        if not live:
+            idle += dt
+            spans.append((dt, last_end[:60], next_name[:60]))
+        elif len(live) == 1:
+            alone[live[0]] = alone.get(live[0], 0.0) + dt
+        else:
+            overlapped += dt
+    longest = [dict(us=us, after=a, before=b) for us, a, b in sorted(spans, reverse=True)[:gaps]]
+    return dict(span_us=marks[-1][0] - marks[0][0] if marks else 0.0,
+                alone_us=dict(sorted(alone.items(), key=lambda kv: -kv[1])), overlapped_us=overlapped, idle_us=idle,
+                idle_gaps=len(spans), longest_idle=longest)
+
+
 def env_info() -> dict[str, object]:
     """Where a measurement ran: date, host, GPU, SMs, L2, torch / CUDA / Triton versions."""
     info: dict[str, object] = {

@@ -167,3 +167,16 @@ def test_dep2_run_across_two_ranks(tmp_path):
     assert p["link_us"] == 0.0 and p["collectives_us"] is None  # the CPU: no link bandwidth, collectives untimed
     assert p["kimi_dep_hand_us"] == max(r["kimi_dep_hand_us"] for r in p["ranks"])
     assert "| link µs |" in (tmp_path / "decoder.md").read_text()
+
+
+def test_wall_attribution_by_hand():
+    """A traced step's wall time split by hand: the GEMM alone 0-4 and 6-10, the GEMM with the router 4-6 (on
+    another stream), nothing 10-12 (a launch gap), AttnRes alone 12-15; the four sum to the 15 µs span."""
+    from common import wall_attribution  # noqa: PLC0415 - benchmarks/ is on the path above
+
+    kernels = [dict(name="_fp8_splitk_kernel", ts=0.0, dur=10.0), dict(name="_select_kernel", ts=4.0, dur=2.0),
+               dict(name="_attn_res_kernel", ts=12.0, dur=3.0)]
+    w = wall_attribution(kernels, bd.group_of)
+    assert w["span_us"] == 15.0 and w["overlapped_us"] == 2.0 and w["idle_us"] == 2.0 and w["idle_gaps"] == 1
+    assert w["alone_us"] == {"split-K GEMMs (Triton or cuBLAS's)": 8.0, "AttnRes": 3.0}
+    assert w["longest_idle"] == [dict(us=2.0, after="_fp8_splitk_kernel", before="_attn_res_kernel")]

@@ -89,3 +89,36 @@ def test_route_sigmoid_topk(experts, hidden, top_k, T, masked):
     torch.testing.assert_close(picked, keyed.topk(top_k).values, rtol=0, atol=1e-5)  # descending top-k keys
     ref_w = scores.gather(1, ids)
     torch.testing.assert_close(w, ref_w / ref_w.sum(-1, keepdim=True) * 2.5, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("experts,top_k", [(896, 16), (100, 8)])
+@pytest.mark.parametrize("case", ["random", "ties", "masked", "nan"])
+def test_select_experts_exact(experts, top_k, case):
+    """The router's pick on given logit partials against the documented rule, exactly: keys
+    ``sigmoid(sum of partials in slice order) + bias`` descending, equal keys by the lower id
+    a NaN key as -inf, never an expert twice. ``ties``: groups of experts with the same partials and
+    bias; ``masked``: -inf bias on all but 3;
+    ``nan``: NaN partials for every third expert."""
+    _mt()
+    from dep_compile.ops.router_triton import select_experts  # noqa: PLC0415
+
+    S, T = 3, 5
+    g = torch.Generator().manual_seed(experts + top_k)
+    parts = torch.randn(S, T, experts, generator=g)
+    bias = 0.1 * torch.randn(experts, generator=g)
+    if case == "ties":  # experts 4j+1..4j+3 copy expert 4j
+        parts = parts[:, :, torch.arange(experts) // 4 * 4]
+        bias = bias[torch.arange(experts) // 4 * 4]
+    elif case == "masked":
+        bias[3:] = float("-inf")
+    elif case == "nan":
+        parts[1, :, ::3] = float("nan")
+    w, ids = select_experts(parts.to(_DEV), bias.to(_DEV), top_k, 2.5)
+    w, ids = w.cpu(), ids.cpu()
+    logits = parts[0] + parts[1] + parts[2]
+    keys = torch.sigmoid(logits) + bias
+    keys = torch.where(keys.isnan(), float("-inf"), keys)
+    want = torch.sort(-keys, dim=-1, stable=True).indices[:, :top_k]  # descending, equal keys by the lower id
+    assert torch.equal(ids, want), f"picked {ids.tolist()} want {want.tolist()}"
+    ref_w = torch.sigmoid(logits).gather(1, want)
+    torch.testing.assert_close(w, ref_w / ref_w.sum(-1, keepdim=True) * 2.5, rtol=1e-6, atol=1e-7, equal_nan=True)
