@@ -10,7 +10,7 @@ from torch import nn
 from .config import K3Config
 from .layers import RMSNorm, Router, SiTUMLP, dense_linear
 from .mxfp4 import GROUP, Mxfp4Weight
-from .mxfp4_tiles import LOAD_TILE, Mxfp4Tiles, in_place_why, tile_in_place
+from .mxfp4_tiles import LOAD_TILE, MixedLayoutError, Mxfp4Tiles, in_place_why, tile_in_place, untile_in_place
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,7 @@ class Mxfp4Experts(_Experts):
         u8 = lambda *shape: nn.Parameter(torch.empty(*shape, dtype=torch.uint8), requires_grad=False)  # noqa: E731
         self.w13_weight_packed, self.w13_weight_scale = u8(E, 2 * I, L // 2), u8(E, 2 * I, L // GROUP)
         self.w2_weight_packed, self.w2_weight_scale = u8(E, L, I // 2), u8(E, L, I // GROUP)
+        self.broken: str | None = None  # why a failed ``tile_`` left the weights unusable
 
     @property
     def tiled(self) -> bool:
@@ -71,7 +72,9 @@ class Mxfp4Experts(_Experts):
     @torch.no_grad()
     def tile_(self, block_n: int = LOAD_TILE[0], block_k: int = LOAD_TILE[1]) -> None:
         """Re-pack w13 and w2 into ``block_n`` x ``block_k`` tiles in their own storage (no copy: what kimi_dep's
-        experts kernel reads); ValueError with the reason where either cannot be, leaving both as they were."""
+        experts kernel reads); ValueError with the reason where either cannot be, leaving both as they were. A
+        failure midway (out of memory) is re-raised with both as they were, or, where they cannot be put back,
+        as ``MixedLayoutError`` with ``broken`` set (``forward`` then raises)."""
         if self.tiled:
             return
         inter = self.w13_weight_packed.shape[1] // 2
@@ -83,11 +86,31 @@ class Mxfp4Experts(_Experts):
             why = in_place_why(w, block_n, block_k)
             if why:
                 raise ValueError(f"tile_: {name}: {why}")
-        for name, w in (("w13", w13), ("w2", w2)):  # both checked: no step below refuses
-            tiles = tile_in_place(w, block_n, block_k)
+        # both checked: no step below refuses. Each re-pack is all or nothing (a failure midway, out of memory, puts
+        # its experts back) and w2's failing puts w13 back, so the module stays in one layout or refuses to run
+        try:
+            t13 = tile_in_place(w13, block_n, block_k)
+        except MixedLayoutError as err:
+            self.broken = f"w13: {err}"
+            raise MixedLayoutError(self.broken) from err
+        try:
+            t2 = tile_in_place(w2, block_n, block_k)
+        except BaseException as err:
+            if isinstance(err, MixedLayoutError):
+                self.broken = f"w2: {err}"
+                raise MixedLayoutError(self.broken) from err
+            try:
+                untile_in_place(t13)
+            except BaseException as undo:
+                self.broken = f"w13 stays re-packed (putting it back failed: {undo}), w2 does not"
+                raise MixedLayoutError(self.broken) from undo
+            raise
+        for name, tiles in (("w13", t13), ("w2", t2)):
             getattr(self, f"{name}_weight_packed").data, getattr(self, f"{name}_weight_scale").data = tiles
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if self.broken:
+            raise RuntimeError(f"Mxfp4Experts: the weights were left in two layouts by a failed tile_ ({self.broken})")
         return torch.ops.kimi_k3.routed_experts_mxfp4(
             x, self.w13_weight_packed, self.w13_weight_scale, self.w2_weight_packed, self.w2_weight_scale,
             topk_weights, topk_ids, self.expert_start, self.ep_size, self.beta, self.beta_lin)
@@ -105,9 +128,9 @@ def tile_experts_(model: nn.Module, block_n: int = LOAD_TILE[0], block_k: int = 
             try:
                 m.tile_(block_n, block_k)
                 out[name] = None
-            except ValueError as e:
-                out[name] = str(e)
-                log.warning("dep_compile: %s keeps the checkpoint's MXFP4 layout: %s", name, e)
+            except (ValueError, torch.OutOfMemoryError) as e:  # the module as it was (tile_)
+                out[name] = str(e) if isinstance(e, ValueError) else f"out of memory while re-packing ({e})"
+                log.warning("dep_compile: %s keeps the checkpoint's MXFP4 layout: %s", name, out[name])
     return out
 
 

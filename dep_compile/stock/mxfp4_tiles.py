@@ -126,6 +126,23 @@ def _code(word: Tensor, reg: int, lane: int) -> Tensor:
     return sum(((word >> pos) & 1) << (3 - i) for i, pos in enumerate(code_bits(reg, lane)))
 
 
+def _tile_expert(w: Mxfp4Weight, e: int, block_n: int, block_k: int) -> tuple[Tensor, Tensor]:
+    """Expert ``e`` of ``w`` as tiles: (int32 words, int16 scales) of ``Mxfp4Tiles``' shapes less the expert dim."""
+    _, N, K = w.shape
+    nt, kt, wn, jn, groups = N // block_n, K // block_k, block_n // 16, block_k // 16, block_k // GROUP
+    p = w.packed[e]
+    codes = torch.stack([p & 15, p >> 4], -1).reshape(N, K)  # one code a byte, input order
+    # n = t block_n + 16 w + 8 h + g; k = kt block_k + 16 j + 8 half + 2 q + lane
+    c = codes.reshape(nt, wn, 2, 8, kt, jn, 2, 4, 2)  # t, w, h, g, kt, j, half, q, lane
+    c = c.permute(_ORDER).to(torch.int64)  # t, kt, w, g, q, j, h, lane, half
+    word = torch.zeros(c.shape[:-3], dtype=torch.int64, device=c.device)
+    for h, lane, half in itertools.product(range(2), repeat=3):
+        word |= _placed(c[..., h, lane, half], 2 * half + h, lane)
+    words = torch.where(word >= 2**31, word - 2**32, word).reshape(nt, kt, 2 * block_n, jn).to(torch.int32)
+    s = (w.scale[e].to(torch.int16) + SCALE_OFFSET).reshape(nt, wn, 2, 8, kt, groups)  # t, w, h, g, kt, G
+    return words, (s[:, :, 0] | (s[:, :, 1] << 8)).permute(0, 3, 1, 2, 4).reshape(nt, kt, block_n // 2, groups)
+
+
 def tile_mxfp4(w: Mxfp4Weight, block_n: int, block_k: int, out: Mxfp4Tiles | None = None) -> Mxfp4Tiles:
     """Re-pack ``w`` (codes and E8M0 scales, ``[E, N, K]``) for the experts kernel's ``block_n`` x ``block_k``
     tiles, one expert at a time (the temporaries stay a few times one expert's codes), into ``out`` if given (its
@@ -142,19 +159,23 @@ def tile_mxfp4(w: Mxfp4Weight, block_n: int, block_k: int, out: Mxfp4Tiles | Non
     elif (tuple(out.words.shape), tuple(out.scales.shape)) != shapes:
         raise ValueError(f"tile_mxfp4: out holds words {tuple(out.words.shape)}, scales {tuple(out.scales.shape)}; "
                          f"{shapes} needed")
-    for e in range(E):
-        p = w.packed[e]
-        codes = torch.stack([p & 15, p >> 4], -1).reshape(N, K)  # one code a byte, input order
-        # n = t block_n + 16 w + 8 h + g; k = kt block_k + 16 j + 8 half + 2 q + lane
-        c = codes.reshape(nt, wn, 2, 8, kt, jn, 2, 4, 2)  # t, w, h, g, kt, j, half, q, lane
-        c = c.permute(_ORDER).to(torch.int64)  # t, kt, w, g, q, j, h, lane, half
-        word = torch.zeros(c.shape[:-3], dtype=torch.int64, device=c.device)
-        for h, lane, half in itertools.product(range(2), repeat=3):
-            word |= _placed(c[..., h, lane, half], 2 * half + h, lane)
-        out.words[e] = torch.where(word >= 2**31, word - 2**32, word).reshape(nt, kt, 2 * block_n, jn)
-        s = (w.scale[e].to(torch.int16) + SCALE_OFFSET).reshape(nt, wn, 2, 8, kt, groups)  # t, w, h, g, kt, G
-        out.scales[e] = (s[:, :, 0] | (s[:, :, 1] << 8)).permute(0, 3, 1, 2, 4).reshape(nt, kt, block_n // 2, groups)
+    for e in range(E):  # an expert's tiles are made whole before its slot is written (``tile_in_place``)
+        out.words[e], out.scales[e] = _tile_expert(w, e, block_n, block_k)
     return out
+
+
+def _untile_expert(t: Mxfp4Tiles, e: int) -> tuple[Tensor, Tensor]:
+    """Expert ``e`` of ``t`` in the checkpoint's layout: (uint8 codes [N, K/2], uint8 E8M0 scales [N, K/32])."""
+    _, N, K = t.shape
+    nt, kt, wn, jn, groups = N // t.block_n, K // t.block_k, t.block_n // 16, t.block_k // 16, t.block_k // GROUP
+    back = tuple(_ORDER.index(d) for d in range(len(_ORDER)))
+    word = t.words[e].reshape(nt, kt, wn, 8, 4, jn).to(torch.int64) & 0xFFFFFFFF  # t, kt, w, g, q, j
+    c = torch.stack([torch.stack([torch.stack([_code(word, 2 * half + h, lane) for half in range(2)], -1)
+                                  for lane in range(2)], -2) for h in range(2)], -3)  # ..., h, lane, half
+    codes = c.permute(back).reshape(N, K)
+    v = t.scales[e].reshape(nt, kt, wn, 8, groups).to(torch.int32) & 0xFFFF  # t, kt, w, g, G
+    s = torch.stack([v & 255, v >> 8], 3).permute(0, 2, 3, 4, 1, 5)  # t, w, h, g, kt, G
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8), (s.reshape(N, K // GROUP) - SCALE_OFFSET).to(torch.uint8)
 
 
 def untile_mxfp4(t: Mxfp4Tiles) -> Mxfp4Weight:
@@ -162,19 +183,10 @@ def untile_mxfp4(t: Mxfp4Tiles) -> Mxfp4Weight:
     one expert at a time."""
     check_tiles("untile_mxfp4", t.words, t.scales)
     E, N, K = t.shape
-    nt, kt, wn, jn, groups = N // t.block_n, K // t.block_k, t.block_n // 16, t.block_k // 16, t.block_k // GROUP
     packed = torch.empty(E, N, K // 2, dtype=torch.uint8, device=t.words.device)
     scale = torch.empty(E, N, K // GROUP, dtype=torch.uint8, device=t.words.device)
-    back = tuple(_ORDER.index(d) for d in range(len(_ORDER)))
     for e in range(E):
-        word = t.words[e].reshape(nt, kt, wn, 8, 4, jn).to(torch.int64) & 0xFFFFFFFF  # t, kt, w, g, q, j
-        c = torch.stack([torch.stack([torch.stack([_code(word, 2 * half + h, lane) for half in range(2)], -1)
-                                      for lane in range(2)], -2) for h in range(2)], -3)  # ..., h, lane, half
-        codes = c.permute(back).reshape(N, K)
-        packed[e] = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
-        v = t.scales[e].reshape(nt, kt, wn, 8, groups).to(torch.int32) & 0xFFFF  # t, kt, w, g, G
-        s = torch.stack([v & 255, v >> 8], 3).permute(0, 2, 3, 4, 1, 5)  # t, w, h, g, kt, G
-        scale[e] = (s.reshape(N, K // GROUP) - SCALE_OFFSET).to(torch.uint8)
+        packed[e], scale[e] = _untile_expert(t, e)
     return Mxfp4Weight(packed, scale)
 
 
@@ -190,17 +202,55 @@ def in_place_why(w: Mxfp4Weight, block_n: int, block_k: int) -> str | None:
     return why
 
 
+class MixedLayoutError(RuntimeError):
+    """A re-pack in place failed and could not be undone: some experts of the weight hold tiles, the rest the
+    checkpoint's layout (the error says which); the weight must be loaded again."""
+
+
+def _rewrite(what: str, E: int, make, dst: tuple[Tensor, Tensor], undo, back: tuple[Tensor, Tensor]) -> None:
+    """Expert by expert, ``dst[0][e], dst[1][e] = make(e)``: all or nothing. Each expert's new bytes are made whole
+    before its slot is written (``make`` reads the slot), so a failure (out of memory) leaves the experts before it
+    rewritten: they are put back with ``back[0][e], back[1][e] = undo(e)`` and the failure re-raised; a failure while
+    putting back raises ``MixedLayoutError``."""
+    done = 0
+    try:
+        for e in range(E):
+            dst[0][e], dst[1][e] = make(e)
+            done = e + 1
+    except BaseException:
+        for e in range(done):
+            try:
+                back[0][e], back[1][e] = undo(e)
+            except BaseException as err:
+                raise MixedLayoutError(f"{what}: failed at expert {done}, then undoing expert {e} failed: experts "
+                                       f"{e}..{done - 1} are rewritten, the others not; load the weight again") from err
+        raise
+
+
 def tile_in_place(w: Mxfp4Weight, block_n: int = LOAD_TILE[0], block_k: int = LOAD_TILE[1]) -> Mxfp4Tiles:
     """Re-pack ``w`` into tiles in its own storage (the same bytes, one expert at a time: nothing of the size of
     the weight is allocated); ``w``'s codes and scales read as tiles afterwards. ValueError where ``in_place_why``
-    says why."""
+    says why; a failure midway (out of memory) leaves ``w`` as it was (``_rewrite``)."""
     why = in_place_why(w, block_n, block_k)
     if why:
         raise ValueError(f"tile_in_place: {why}")
     E, N, K = w.shape
-    words = w.packed.reshape(-1).view(torch.int32).view(E, N // block_n, K // block_k, 2 * block_n, block_k // 16)
-    scales = w.scale.reshape(-1).view(torch.int16).view(E, N // block_n, K // block_k, block_n // 2, block_k // GROUP)
-    return tile_mxfp4(w, block_n, block_k, out=Mxfp4Tiles(words, scales))
+    t = Mxfp4Tiles(w.packed.reshape(-1).view(torch.int32).view(E, N // block_n, K // block_k, 2 * block_n, block_k // 16),
+                   w.scale.reshape(-1).view(torch.int16).view(E, N // block_n, K // block_k, block_n // 2, block_k // GROUP))
+    _rewrite("tile_in_place", E, lambda e: _tile_expert(w, e, block_n, block_k), t, lambda e: _untile_expert(t, e),
+             (w.packed, w.scale))
+    return t
+
+
+def untile_in_place(t: Mxfp4Tiles) -> Mxfp4Weight:
+    """``tile_in_place``'s inverse: the checkpoint's layout in the tiles' own storage, all or nothing."""
+    check_tiles("untile_in_place", t.words, t.scales)
+    E, N, K = t.shape
+    w = Mxfp4Weight(t.words.reshape(-1).view(torch.uint8).view(E, N, K // 2),
+                    t.scales.reshape(-1).view(torch.uint8).view(E, N, K // GROUP))
+    _rewrite("untile_in_place", E, lambda e: _untile_expert(t, e), (w.packed, w.scale),
+             lambda e: _tile_expert(w, e, t.block_n, t.block_k), t)
+    return w
 
 
 def scale_range_why(t: Mxfp4Tiles) -> str | None:
@@ -228,4 +278,5 @@ def random_tiles(shape: tuple[int, int, int], block_n: int, block_k: int, genera
 
 
 __all__ = ["SCALE_MAX", "SCALE_OFFSET", "ROTATIONS", "LOAD_TILE", "Mxfp4Tiles", "check_tiles", "as_mxfp4", "untileable", "code_bits",
-           "tile_mxfp4", "untile_mxfp4", "in_place_why", "tile_in_place", "scale_range_why", "random_tiles"]
+           "tile_mxfp4", "untile_mxfp4", "in_place_why", "MixedLayoutError", "tile_in_place", "untile_in_place",
+           "scale_range_why", "random_tiles"]
