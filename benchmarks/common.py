@@ -149,14 +149,9 @@ def time_graph(
     return out
 
 
-def kernel_profile(step: Callable[[], object], replays: int = 5, top: int | None = 12,
-                   name_chars: int | None = 90) -> list[dict[str, object]]:
-    """The ``top`` kernels (None: all) of one CUDA-graph-captured ``step()`` by GPU time: name (its first
-    ``name_chars``; None: whole), µs per step, launches per step.
-
-    The step is captured once (after an eager warm-up on a side stream) and its graph replayed
-    ``replays`` times under the torch profiler.
-    """
+def profiled_replays(step: Callable[[], object], replays: int) -> "torch.profiler.profile":
+    """``step()`` captured once in a CUDA graph (after an eager warm-up on a side stream), replayed once, then
+    ``replays`` times under the torch profiler (CUDA activity): the profiler."""
     from torch.profiler import ProfilerActivity, profile
 
     graph = capture_graph(step)
@@ -166,13 +161,21 @@ def kernel_profile(step: Callable[[], object], replays: int = 5, top: int | None
         for _ in range(replays):
             graph.replay()
         torch.cuda.synchronize()
+    graph.reset()
+    return prof
+
+
+def kernel_profile(step: Callable[[], object], replays: int = 5, top: int | None = 12,
+                   name_chars: int | None = 90) -> list[dict[str, object]]:
+    """The ``top`` kernels (None: all) of one CUDA-graph-captured ``step()`` by GPU time (``profiled_replays``):
+    name (its first ``name_chars``; None: whole), µs per step, launches per step."""
+    prof = profiled_replays(step, replays)
     totals: dict[str, list[float]] = {}
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             t = totals.setdefault(e.name, [0.0, 0])
             t[0] += e.device_time
             t[1] += 1
-    graph.reset()
     rows = [dict(kernel=n[:name_chars], us=t / replays, launches=c / replays) for n, (t, c) in totals.items()]
     return sorted(rows, key=lambda r: -r["us"])[:top]
 
@@ -182,16 +185,7 @@ def kernel_trace(step: Callable[[], object], replays: int = 3) -> list[dict[str,
     and duration (µs, from the trace's clock), by start."""
     import tempfile
 
-    from torch.profiler import ProfilerActivity, profile
-
-    graph = capture_graph(step)
-    graph.replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            graph.replay()
-        torch.cuda.synchronize()
-    graph.reset()
+    prof = profiled_replays(step, replays)
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "trace.json")
         prof.export_chrome_trace(path)
