@@ -181,8 +181,8 @@ def kernel_profile(step: Callable[[], object], replays: int = 5, top: int | None
 
 
 def kernel_trace(step: Callable[[], object], replays: int = 3) -> list[dict[str, object]]:
-    """The kernels of the last of ``replays`` profiled CUDA-graph replays of ``step()``: name, stream, start
-    and duration (µs, from the trace's clock), by start."""
+    """The GPU work (kernels, memcpys, memsets) of the last of ``replays`` profiled CUDA-graph replays of
+    ``step()``: name, stream, start and duration (µs, from the trace's clock), by start."""
     import tempfile
 
     prof = profiled_replays(step, replays)
@@ -190,7 +190,9 @@ def kernel_trace(step: Callable[[], object], replays: int = 3) -> list[dict[str,
         path = os.path.join(d, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as f:
-            events = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"]
+            events = [e for e in json.load(f)["traceEvents"] if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not events or len(events) % replays:
+        raise RuntimeError(f"kernel_trace: {len(events)} GPU events over {replays} replays: not the same work each")
     events.sort(key=lambda e: e["ts"])
     return [dict(name=e["name"], stream=e["args"].get("stream"), ts=float(e["ts"]), dur=float(e["dur"]))
             for e in events[-(len(events) // replays):]]

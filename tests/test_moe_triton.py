@@ -91,14 +91,14 @@ def test_route_sigmoid_topk(experts, hidden, top_k, T, masked):
     torch.testing.assert_close(w, ref_w / ref_w.sum(-1, keepdim=True) * 2.5, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("experts,top_k", [(896, 16), (100, 8)])
-@pytest.mark.parametrize("case", ["random", "ties", "masked", "nan"])
+@pytest.mark.parametrize("experts,top_k", [(896, 16), (100, 8), (128, 6), (100, 5)])  # E = BLOCK_E; top_k < BLOCK_K
+@pytest.mark.parametrize("case", ["random", "ties", "masked", "nan", "masked_nan"])
 def test_select_experts_exact(experts, top_k, case):
     """The router's pick on given logit partials against the documented rule, exactly: keys
-    ``sigmoid(sum of partials in slice order) + bias`` descending, equal keys by the lower id
+    ``sigmoid(sum of partials in slice order) + bias`` descending, equal keys by the lower id,
     a NaN key as -inf, never an expert twice. ``ties``: groups of experts with the same partials and
-    bias; ``masked``: -inf bias on all but 3;
-    ``nan``: NaN partials for every third expert."""
+    bias; ``masked``: -inf bias on all but 3; ``nan``: NaN partials for every third expert;
+    ``masked_nan``: both, so NaN and -inf keys are picked, by id."""
     _mt()
     from dep_compile.ops.router_triton import select_experts  # noqa: PLC0415
 
@@ -109,9 +109,9 @@ def test_select_experts_exact(experts, top_k, case):
     if case == "ties":  # experts 4j+1..4j+3 copy expert 4j
         parts = parts[:, :, torch.arange(experts) // 4 * 4]
         bias = bias[torch.arange(experts) // 4 * 4]
-    elif case == "masked":
+    if case in ("masked", "masked_nan"):
         bias[3:] = float("-inf")
-    elif case == "nan":
+    if case in ("nan", "masked_nan"):
         parts[1, :, ::3] = float("nan")
     w, ids = select_experts(parts.to(_DEV), bias.to(_DEV), top_k, 2.5)
     w, ids = w.cpu(), ids.cpu()

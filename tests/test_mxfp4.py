@@ -14,6 +14,7 @@ import torch
 from dep_compile.integrations.quantization import compress_mxfp4
 from dep_compile.stock import build_model, preset
 from dep_compile.stock.mxfp4 import E2M1, GROUP, Mxfp4Weight, dequantize, random_mxfp4, unpack_codes
+from dep_compile.stock.mxfp4_tiles import MixedLayoutError
 
 from helpers import run_pair
 
@@ -291,7 +292,7 @@ def test_tile_is_all_or_nothing(mid_word):
     e.tile_(16, 32)
     assert e.tiled and e.w13_weight_packed.shape[-2:] == (32, 2)
     e.w2_weight_packed.data = before[2]
-    with pytest.raises(ValueError, match="different layouts"):
+    with pytest.raises(MixedLayoutError, match="different layouts"):
         e.tiled
 
 

@@ -107,7 +107,8 @@ def test_tile_in_place_that_cannot_undo_says_which_experts_moved(monkeypatch):
     w = Mxfp4Weight(*random_mxfp4((4, 64, 128), torch.Generator().manual_seed(6), 0.05))
     _fail_at(monkeypatch, "_tile_expert", 3)
     _fail_at(monkeypatch, "_untile_expert", 1)
-    with pytest.raises(MixedLayoutError, match=r"failed at expert 3, then undoing expert 1 failed: experts 1\.\.2"):
+    with pytest.raises(MixedLayoutError, match=r"failed at expert 3, then putting the experts back failed .*: "
+                                               r"experts \[1, 2\] are rewritten"):
         tile_in_place(w, 32, 64)
 
 
@@ -125,22 +126,62 @@ def test_module_tile_failing_on_w2_puts_w13_back(monkeypatch, caplog):
     with monkeypatch.context() as mp:
         _fail_at(mp, "_tile_expert", 1, shape=_w2(cfg))
         reasons = tile_experts_(m, 32, 64)
-    assert all(r.startswith("out of memory while re-packing") for r in reasons.values()), reasons
-    assert "keeps the checkpoint's MXFP4 layout: out of memory" in caplog.text
+    assert all(r.startswith("OutOfMemoryError while re-packing") for r in reasons.values()), reasons
+    assert "keeps the checkpoint's MXFP4 layout: OutOfMemoryError while re-packing" in caplog.text
     after = _snapshot(m)
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
     assert not experts.tiled and torch.equal(experts(x, wts, ids), want)
 
 
-@pytest.mark.parametrize("w2_expert,reason", [(1, "w2: .*undoing expert 0 failed"),  # w2 cannot undo its expert 0
-                                              (0, "w13 stays re-packed")])  # w2 clean, w13 cannot be put back
-def test_module_tile_that_cannot_undo_refuses_to_run(monkeypatch, w2_expert, reason):
+def _w13(cfg) -> tuple[int, int]:
+    """An expert's w13 shape [2 intermediate, latent]."""
+    return 2 * cfg.moe_intermediate, cfg.moe_latent_size
+
+
+@pytest.mark.parametrize("shape,expert,reason", [
+    (_w2, 1, r"w2: tile_in_place: failed at expert 1, then putting the experts back failed"),  # w2 mixed
+    (_w2, 0, "w13 stays re-packed"),  # w2 clean, w13 cannot be put back
+    (_w13, 2, r"w13: tile_in_place: failed at expert 2, then putting the experts back failed")])  # w13 mixed
+def test_module_tile_that_cannot_undo_refuses_to_run(monkeypatch, shape, expert, reason):
+    """Where the experts re-packed cannot be put back, the module says which weight, and refuses to run, to tile
+    again and to be re-tiled by ``tile_experts_`` (which re-raises rather than log a layout it does not have)."""
     cfg = _cfg()
-    experts = next(e for e in build_model(cfg, seed=1).modules() if isinstance(e, Mxfp4Experts))
-    _fail_at(monkeypatch, "_tile_expert", w2_expert, shape=_w2(cfg))
-    _fail_at(monkeypatch, "_untile_expert", 0)
-    with pytest.raises(MixedLayoutError, match=reason):
-        experts.tile_(32, 64)
+    m = build_model(cfg, seed=1)
+    experts = next(e for e in m.modules() if isinstance(e, Mxfp4Experts))
+    with monkeypatch.context() as mp:
+        _fail_at(mp, "_tile_expert", expert, shape=shape(cfg))
+        _fail_at(mp, "_untile_expert", 0)
+        with pytest.raises(MixedLayoutError, match=reason):
+            experts.tile_(32, 64)
     x = torch.randn(3, cfg.moe_latent_size).to(torch.bfloat16)
-    with pytest.raises(RuntimeError, match="left in two layouts by a failed tile_"):
+    with pytest.raises(MixedLayoutError, match="left in two layouts by a failed tile_"):
         experts(x, torch.rand(3, 2), torch.tensor([[0, 1], [2, 3], [1, 2]]))
+    with pytest.raises(MixedLayoutError, match=reason.split(":")[0]):
+        experts.tile_(32, 64)
+    with pytest.raises(MixedLayoutError):
+        tile_experts_(m, 32, 64)
+
+
+def test_rewrite_interrupted_between_a_slots_two_writes_puts_it_back():
+    """An interrupt after a slot's codes are written and before its scales are: the slot comes back from its copy,
+    the slots before it through ``undo``, and the interrupt is re-raised."""
+    from dep_compile.stock.mxfp4_tiles import _rewrite
+
+    codes, scales = torch.arange(12).view(4, 3), torch.arange(8).view(4, 2)
+    before = (codes.clone(), scales.clone())
+
+    class Interrupting:
+        """``scales`` whose slot 2 cannot be written."""
+
+        def __getitem__(self, e):
+            return scales[e]
+
+        def __setitem__(self, e, value):
+            if e == 2:
+                raise KeyboardInterrupt
+            scales[e] = value
+
+    with pytest.raises(KeyboardInterrupt):
+        _rewrite("test", 4, lambda e: (codes[e] + 100, scales[e] + 100), (codes, Interrupting()),
+                 lambda e: (codes[e] - 100, scales[e] - 100), (codes, scales))
+    assert torch.equal(codes, before[0]) and torch.equal(scales, before[1])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import NoReturn
 
 import torch
 from torch import nn
@@ -63,18 +64,21 @@ class Mxfp4Experts(_Experts):
 
     @property
     def tiled(self) -> bool:
-        """Whether the weights are held as tiles (``tile_``); ValueError where only one of w13 / w2 is."""
+        """Whether the weights are held as tiles (``tile_``); ``MixedLayoutError`` where only one of w13 / w2 is."""
         w13, w2 = self.w13_weight_packed.dtype == torch.int32, self.w2_weight_packed.dtype == torch.int32
         if w13 != w2:
-            raise ValueError("Mxfp4Experts: w13 and w2 are in different layouts (tiles and the checkpoint's)")
+            raise MixedLayoutError("Mxfp4Experts: w13 and w2 are in different layouts (tiles and the checkpoint's)")
         return w13
 
     @torch.no_grad()
     def tile_(self, block_n: int = LOAD_TILE[0], block_k: int = LOAD_TILE[1]) -> None:
         """Re-pack w13 and w2 into ``block_n`` x ``block_k`` tiles in their own storage (no copy: what kimi_dep's
         experts kernel reads); ValueError with the reason where either cannot be, leaving both as they were. A
-        failure midway (out of memory) is re-raised with both as they were, or, where they cannot be put back,
-        as ``MixedLayoutError`` with ``broken`` set (``forward`` then raises)."""
+        failure midway (out of memory, an interrupt) is re-raised with both as they were, or, where they cannot be
+        put back, as ``MixedLayoutError`` with ``broken`` set (``forward`` and ``tile_`` then raise: build the
+        module again)."""
+        if self.broken:
+            raise MixedLayoutError(self.broken)
         if self.tiled:
             return
         inter = self.w13_weight_packed.shape[1] // 2
@@ -86,31 +90,37 @@ class Mxfp4Experts(_Experts):
             why = in_place_why(w, block_n, block_k)
             if why:
                 raise ValueError(f"tile_: {name}: {why}")
-        # both checked: no step below refuses. Each re-pack is all or nothing (a failure midway, out of memory, puts
-        # its experts back) and w2's failing puts w13 back, so the module stays in one layout or refuses to run
+        # both checked: no step below refuses. Each re-pack is all or nothing (a failure midway puts its experts
+        # back) and w2's failing puts w13 back, so the module stays in one layout or refuses to run
         try:
             t13 = tile_in_place(w13, block_n, block_k)
         except MixedLayoutError as err:
-            self.broken = f"w13: {err}"
-            raise MixedLayoutError(self.broken) from err
+            self._break(f"w13: {err}", err)
         try:
             t2 = tile_in_place(w2, block_n, block_k)
         except BaseException as err:
             if isinstance(err, MixedLayoutError):
-                self.broken = f"w2: {err}"
-                raise MixedLayoutError(self.broken) from err
+                self._break(f"w2: {err}", err)
             try:
                 untile_in_place(t13)
             except BaseException as undo:
-                self.broken = f"w13 stays re-packed (putting it back failed: {undo}), w2 does not"
-                raise MixedLayoutError(self.broken) from undo
+                self._break(f"w13: {undo}" if isinstance(undo, MixedLayoutError) else
+                            f"w13 stays re-packed (putting it back failed: {undo!r}), w2 does not", undo)
             raise
+        self.broken = "interrupted while the parameters took the tiles"  # until both have
         for name, tiles in (("w13", t13), ("w2", t2)):
             getattr(self, f"{name}_weight_packed").data, getattr(self, f"{name}_weight_scale").data = tiles
+        self.broken = None
+
+    def _break(self, why: str, cause: BaseException) -> NoReturn:
+        """Mark the module unusable (``broken``) and raise ``MixedLayoutError`` saying why."""
+        self.broken = why
+        raise MixedLayoutError(f"{why}; build the module again") from cause
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if self.broken:
-            raise RuntimeError(f"Mxfp4Experts: the weights were left in two layouts by a failed tile_ ({self.broken})")
+            raise MixedLayoutError(f"Mxfp4Experts: the weights were left in two layouts by a failed tile_ ({self.broken}); "
+                                   "build the module again")
         return torch.ops.kimi_k3.routed_experts_mxfp4(
             x, self.w13_weight_packed, self.w13_weight_scale, self.w2_weight_packed, self.w2_weight_scale,
             topk_weights, topk_ids, self.expert_start, self.ep_size, self.beta, self.beta_lin)
@@ -128,8 +138,10 @@ def tile_experts_(model: nn.Module, block_n: int = LOAD_TILE[0], block_k: int = 
             try:
                 m.tile_(block_n, block_k)
                 out[name] = None
-            except (ValueError, torch.OutOfMemoryError) as e:  # the module as it was (tile_)
-                out[name] = str(e) if isinstance(e, ValueError) else f"out of memory while re-packing ({e})"
+            except MixedLayoutError:
+                raise
+            except Exception as e:  # tile_ left the module as it was: a refusal, or a failure midway put back
+                out[name] = str(e) if isinstance(e, ValueError) else f"{type(e).__name__} while re-packing ({e})"
                 log.warning("dep_compile: %s keeps the checkpoint's MXFP4 layout: %s", name, out[name])
     return out
 

@@ -33,6 +33,7 @@ experts' bytes.
 from __future__ import annotations
 
 import itertools
+import traceback
 from typing import NamedTuple
 
 import torch
@@ -159,7 +160,7 @@ def tile_mxfp4(w: Mxfp4Weight, block_n: int, block_k: int, out: Mxfp4Tiles | Non
     elif (tuple(out.words.shape), tuple(out.scales.shape)) != shapes:
         raise ValueError(f"tile_mxfp4: out holds words {tuple(out.words.shape)}, scales {tuple(out.scales.shape)}; "
                          f"{shapes} needed")
-    for e in range(E):  # an expert's tiles are made whole before its slot is written (``tile_in_place``)
+    for e in range(E):
         out.words[e], out.scales[e] = _tile_expert(w, e, block_n, block_k)
     return out
 
@@ -170,8 +171,8 @@ def _untile_expert(t: Mxfp4Tiles, e: int) -> tuple[Tensor, Tensor]:
     nt, kt, wn, jn, groups = N // t.block_n, K // t.block_k, t.block_n // 16, t.block_k // 16, t.block_k // GROUP
     back = tuple(_ORDER.index(d) for d in range(len(_ORDER)))
     word = t.words[e].reshape(nt, kt, wn, 8, 4, jn).to(torch.int64) & 0xFFFFFFFF  # t, kt, w, g, q, j
-    c = torch.stack([torch.stack([torch.stack([_code(word, 2 * half + h, lane) for half in range(2)], -1)
-                                  for lane in range(2)], -2) for h in range(2)], -3)  # ..., h, lane, half
+    c = torch.stack([torch.stack([torch.stack([_code(word, 2 * half + h, lane).to(torch.uint8) for half in range(2)], -1)
+                                  for lane in range(2)], -2) for h in range(2)], -3)  # ..., h, lane, half (uint8: small)
     codes = c.permute(back).reshape(N, K)
     v = t.scales[e].reshape(nt, kt, wn, 8, groups).to(torch.int32) & 0xFFFF  # t, kt, w, g, G
     s = torch.stack([v & 255, v >> 8], 3).permute(0, 2, 3, 4, 1, 5)  # t, w, h, g, kt, G
@@ -208,23 +209,37 @@ class MixedLayoutError(RuntimeError):
 
 
 def _rewrite(what: str, E: int, make, dst: tuple[Tensor, Tensor], undo, back: tuple[Tensor, Tensor]) -> None:
-    """Expert by expert, ``dst[0][e], dst[1][e] = make(e)``: all or nothing. Each expert's new bytes are made whole
-    before its slot is written (``make`` reads the slot), so a failure (out of memory) leaves the experts before it
-    rewritten: they are put back with ``back[0][e], back[1][e] = undo(e)`` and the failure re-raised; a failure while
-    putting back raises ``MixedLayoutError``."""
-    done = 0
+    """Expert by expert, ``dst[0][e], dst[1][e] = make(e)``: all or nothing. ``make`` reads slot e and returns new
+    tensors; slot e's old bytes are copied (``back[i][e]``, one expert) before it is written, and one assignment
+    records each step (an interrupt between two bytecodes cannot split the record). On any failure, an interrupt
+    included: the slot being written is put back from its copy and the experts before it with ``back[0][e],
+    back[1][e] = undo(e)``, once the failed step's temporaries are freed, and the failure is re-raised; a failure
+    while putting back raises ``MixedLayoutError``."""
+    state = (0, None)  # (experts rewritten, the old bytes of the slot being written, or None)
     try:
         for e in range(E):
-            dst[0][e], dst[1][e] = make(e)
-            done = e + 1
-    except BaseException:
-        for e in range(done):
-            try:
-                back[0][e], back[1][e] = undo(e)
-            except BaseException as err:
-                raise MixedLayoutError(f"{what}: failed at expert {done}, then undoing expert {e} failed: experts "
-                                       f"{e}..{done - 1} are rewritten, the others not; load the weight again") from err
-        raise
+            new = make(e)
+            state = (e, (back[0][e].clone(), back[1][e].clone()))
+            dst[0][e], dst[1][e] = new
+            state = (e + 1, None)
+        return
+    except BaseException as err:
+        failure = err
+    traceback.clear_frames(failure.__traceback__)  # the failed step's temporaries (its locals) go first
+    done, old = state
+    moved = list(range(done)) + ([done] if old is not None else [])  # rewritten, or half written
+    try:
+        if old is not None:
+            back[0][done].copy_(old[0])
+            back[1][done].copy_(old[1])
+            moved.pop()
+        while moved:
+            back[0][moved[0]], back[1][moved[0]] = undo(moved[0])
+            moved.pop(0)
+    except BaseException as err:
+        raise MixedLayoutError(f"{what}: failed at expert {done}, then putting the experts back failed ({err!r}): "
+                               f"experts {moved} are rewritten, the others not; load the weight again") from err
+    raise failure
 
 
 def tile_in_place(w: Mxfp4Weight, block_n: int = LOAD_TILE[0], block_k: int = LOAD_TILE[1]) -> Mxfp4Tiles:
