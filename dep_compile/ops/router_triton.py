@@ -90,6 +90,6 @@ def route_sigmoid_topk(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor
     """x [T, hidden] BF16, gate_w [E, hidden] BF16, bias [E] FP32 -> (weights [T, top_k] FP32,
     ids [T, top_k] int64)."""
     T, E = x.shape[0], gate_w.shape[0]
-    if not T:
-        return select_experts(x.new_empty(tactic.split_k, 0, E, dtype=torch.float32), bias, top_k, scale)
-    return select_experts(splitk_partials(x.contiguous(), gate_w, tactic), bias, top_k, scale)  # parts [S, T, E]
+    parts = (splitk_partials(x.contiguous(), gate_w, tactic) if T  # [S, T, E] FP32
+             else x.new_empty(tactic.split_k, 0, E, dtype=torch.float32))
+    return select_experts(parts, bias, top_k, scale)

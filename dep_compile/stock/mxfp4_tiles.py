@@ -144,6 +144,13 @@ def _tile_expert(w: Mxfp4Weight, e: int, block_n: int, block_k: int) -> tuple[Te
     return words, (s[:, :, 0] | (s[:, :, 1] << 8)).permute(0, 3, 1, 2, 4).reshape(nt, kt, block_n // 2, groups)
 
 
+def _tile_shapes(shape: tuple[int, int, int], block_n: int, block_k: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``Mxfp4Tiles``' (words, scales) shapes for a weight ``[E, N, K]`` in ``block_n`` x ``block_k`` tiles."""
+    E, N, K = shape
+    lead = (E, N // block_n, K // block_k)
+    return (*lead, 2 * block_n, block_k // 16), (*lead, block_n // 2, block_k // GROUP)
+
+
 def tile_mxfp4(w: Mxfp4Weight, block_n: int, block_k: int, out: Mxfp4Tiles | None = None) -> Mxfp4Tiles:
     """Re-pack ``w`` (codes and E8M0 scales, ``[E, N, K]``) for the experts kernel's ``block_n`` x ``block_k``
     tiles, one expert at a time (the temporaries stay a few times one expert's codes), into ``out`` if given (its
@@ -151,16 +158,14 @@ def tile_mxfp4(w: Mxfp4Weight, block_n: int, block_k: int, out: Mxfp4Tiles | Non
     why = untileable(w, block_n, block_k)
     if why:
         raise ValueError(f"tile_mxfp4: {why}")
-    E, N, K = w.shape
-    nt, kt, wn, jn, groups = N // block_n, K // block_k, block_n // 16, block_k // 16, block_k // GROUP
-    shapes = ((E, nt, kt, 2 * block_n, jn), (E, nt, kt, block_n // 2, groups))  # words, scales
+    shapes = _tile_shapes(w.shape, block_n, block_k)
     if out is None:
         out = Mxfp4Tiles(torch.empty(shapes[0], dtype=torch.int32, device=w.packed.device),
                          torch.empty(shapes[1], dtype=torch.int16, device=w.packed.device))
     elif (tuple(out.words.shape), tuple(out.scales.shape)) != shapes:
         raise ValueError(f"tile_mxfp4: out holds words {tuple(out.words.shape)}, scales {tuple(out.scales.shape)}; "
                          f"{shapes} needed")
-    for e in range(E):
+    for e in range(w.shape[0]):
         out.words[e], out.scales[e] = _tile_expert(w, e, block_n, block_k)
     return out
 
@@ -249,10 +254,9 @@ def tile_in_place(w: Mxfp4Weight, block_n: int = LOAD_TILE[0], block_k: int = LO
     why = in_place_why(w, block_n, block_k)
     if why:
         raise ValueError(f"tile_in_place: {why}")
-    E, N, K = w.shape
-    t = Mxfp4Tiles(w.packed.reshape(-1).view(torch.int32).view(E, N // block_n, K // block_k, 2 * block_n, block_k // 16),
-                   w.scale.reshape(-1).view(torch.int16).view(E, N // block_n, K // block_k, block_n // 2, block_k // GROUP))
-    _rewrite("tile_in_place", E, lambda e: _tile_expert(w, e, block_n, block_k), t, lambda e: _untile_expert(t, e),
+    words, scales = _tile_shapes(w.shape, block_n, block_k)
+    t = Mxfp4Tiles(w.packed.reshape(-1).view(torch.int32).view(words), w.scale.reshape(-1).view(torch.int16).view(scales))
+    _rewrite("tile_in_place", w.shape[0], lambda e: _tile_expert(w, e, block_n, block_k), t, lambda e: _untile_expert(t, e),
              (w.packed, w.scale))
     return t
 
@@ -284,11 +288,10 @@ def random_tiles(shape: tuple[int, int, int], block_n: int, block_k: int, genera
     """Random tiles of a weight ``[E, N, K]``, on ``generator``'s device, drawn as they are stored: any word is
     eight uniform codes, each scale byte ``random_e8m0``'s plus 126 (what ``random_mxfp4`` then ``tile_mxfp4``
     draws, without the re-pack)."""
-    E, N, K = shape
-    lead = (E, N // block_n, K // block_k)
-    words = torch.randint(0, 256, (*lead, 2 * block_n, block_k // 4), generator=generator, dtype=torch.uint8,
-                          device=generator.device).view(torch.int32)
-    pairs = random_e8m0((*lead, block_n // 2, block_k // GROUP, 2), generator, std).to(torch.int16) + SCALE_OFFSET
+    words, scales = _tile_shapes(shape, block_n, block_k)
+    words = torch.randint(0, 256, (*words, 4), generator=generator, dtype=torch.uint8,
+                          device=generator.device).view(torch.int32).squeeze(-1)
+    pairs = random_e8m0((*scales, 2), generator, std).to(torch.int16) + SCALE_OFFSET
     return Mxfp4Tiles(words, pairs[..., 0] | (pairs[..., 1] << 8))
 
 
