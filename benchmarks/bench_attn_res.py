@@ -19,7 +19,8 @@ bank exact, outputs by relative error). Bytes moved per call: prefix read + writ
 ``num_blocks`` bank rows read, query; the output written; the fused op also reads the norm weight,
 the stock pair also writes and re-reads the mix. Reported: µs, the ratio of each to ``stock_pair``
 (the fused op's speedup) and to ``ref``, TB/s, and the multiple of the floor at 4.33 TB/s (measured
-read ceiling) and 4.8 TB/s (spec). Writes ``attn_res.json`` to ``--out`` (default ``docs/``).
+read ceiling) and 4.8 TB/s (spec). Writes ``attn_res.json`` and ``attn_res.png`` to ``--out`` (default
+``docs/``).
 
 Run from the repository root on a CUDA machine::
 
@@ -120,6 +121,15 @@ def check(fns: dict, T: int, nb: int) -> dict:
     return out
 
 
+def plot(results: list[dict], path: str) -> str | None:
+    """A PNG of µs against bank rows, a panel per T: the kernels, the fused op, stock's pair, Inductor's reference."""
+    shown = ("kernel", "fused", "stock_pair", "ref_inductor")
+    panels = [{"title": f"T = {T}", "x": [r["num_blocks"] for r in results if r["T"] == T],
+               "series": {k: [r["variants"][k]["median_us"] for r in results if r["T"] == T] for k in shown}}
+              for T in sorted({r["T"] for r in results})]
+    return common.plot_panels(path, panels, xlabel="bank rows (num_blocks)", ylabel="µs", logx=False)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(ROOT, "docs"))
@@ -166,7 +176,7 @@ def main() -> None:
         "kernels": {"kimi_k3::attn_res": "stock.attn_res_cuda.attn_res_cuda (one Triton launch)",
                     "kimi_dep::attn_res_norm": "stock.attn_res_cuda.attn_res_norm_cuda (one Triton launch)"},
     })
-    print(f"wrote {path}")
+    print(f"wrote {path}, {plot(results, os.path.join(args.out, 'attn_res.png'))}")
 
 
 if __name__ == "__main__":

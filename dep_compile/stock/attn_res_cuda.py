@@ -29,6 +29,12 @@ UNROLL, STAGES = 2, 3
 
 
 @triton.jit
+def _add_pairs(a, b, c, d):
+    """Combine of two sums reduced together: (a + c, b + d)."""
+    return a + c, b + d
+
+
+@triton.jit
 def _attn_res_kernel(prefix_ptr, bank_ptr, delta_ptr, query_ptr, norm_w_ptr, out_ptr,
                      stride_p, stride_bs, stride_bt, stride_dl, stride_o, num_blocks, write_slot, eps, norm_eps,
                      D: tl.constexpr, BLOCK_D: tl.constexpr, UNROLL: tl.constexpr, STAGES: tl.constexpr,
@@ -49,7 +55,8 @@ def _attn_res_kernel(prefix_ptr, bank_ptr, delta_ptr, query_ptr, norm_w_ptr, out
         tl.store(bank_ptr + write_slot * stride_bs + t * stride_bt + d, p, mask=ok)
     pf = p.to(tl.float32)
     # the prefix (the last source) opens the online softmax: running max m, sum l, mix acc
-    m = tl.sum(pf * q, axis=0) * tl.rsqrt(tl.sum(pf * pf, axis=0) / D + eps)
+    pq, pp = tl.reduce((pf * q, pf * pf), 0, _add_pairs)  # one cross-warp reduction for both sums
+    m = pq * tl.rsqrt(pp / D + eps)
     l = m * 0.0 + 1.0
     acc = pf
     j = tl.arange(0, UNROLL)
@@ -60,8 +67,8 @@ def _attn_res_kernel(prefix_ptr, bank_ptr, delta_ptr, query_ptr, norm_w_ptr, out
         x = tl.load(bank_ptr + src[:, None] * stride_bs + t * stride_bt + d[None, :],
                     mask=(live & ~fresh)[:, None] & ok[None, :], other=0.0).to(tl.float32)
         x = tl.where(fresh[:, None], pf[None, :], x)  # [UNROLL, BLOCK_D]
-        ms = tl.sum(x * x, axis=1) / D
-        logit = tl.where(live, tl.sum(x * q[None, :], axis=1) * tl.rsqrt(ms + eps), float("-inf"))
+        xq, xx = tl.reduce((x * q[None, :], x * x), 1, _add_pairs)  # [UNROLL] each
+        logit = tl.where(live, xq * tl.rsqrt(xx / D + eps), float("-inf"))
         m_new = tl.maximum(m, tl.max(logit, axis=0))
         keep, w = tl.exp(m - m_new), tl.exp(logit - m_new)  # w: [UNROLL], 0 past num_blocks
         acc = acc * keep + tl.sum(w[:, None] * x, axis=0)
