@@ -7,7 +7,7 @@ For each T (rows of a decode step) and ``num_blocks`` (sources before the prefix
 * ``ref``: the PyTorch reference (``attn_res_ref``) run eagerly on CUDA, what the stock op ran before;
 * ``ref_inductor``: the same reference compiled by plain Inductor (a plainly written layer);
 * ``kernel``: the stock op's one-launch Triton kernel (``kimi_k3::attn_res`` on CUDA; ``UNROLL`` = 2
-  bank rows per load, ``STAGES`` = 3), and ``kernel_u<rows>_s<stages>`` other tunings of it;
+  bank rows per load), and ``kernel_u<rows>`` other tunings of it;
 * ``stock_pair``: the stock AttnRes op then stock's RMSNorm, compiled by plain Inductor (the op is
   opaque, the norm one Inductor kernel): what a stock decoder runs at each point;
 * ``fused``: ``kimi_dep::attn_res_norm`` (one launch), what kimi_dep runs there.
@@ -43,13 +43,13 @@ import torch.nn.functional as F  # noqa: E402
 from benchmarks import common  # noqa: E402
 import dep_compile.ops.attn_res  # noqa: E402,F401  (registers kimi_dep::attn_res_norm)
 import dep_compile.stock.ops  # noqa: E402,F401  (registers kimi_k3::attn_res)
-from dep_compile.stock.attn_res_cuda import STAGES, UNROLL, attn_res_cuda  # noqa: E402
+from dep_compile.stock.attn_res_cuda import UNROLL, attn_res_cuda  # noqa: E402
 from dep_compile.stock.reference.attn_res import attn_res_ref  # noqa: E402
 
 D, NB, EPS = 7168, 16, 1e-5
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 NUM_BLOCKS = (1, 8, 16)
-KERNEL_VARIANTS = ((2, 1), (1, 4), (4, 2))  # (bank rows per load, pipeline stages) besides the default (2, 3)
+KERNEL_VARIANTS = (1, 4)  # bank rows per load besides the default UNROLL
 BF16 = torch.bfloat16
 
 
@@ -85,10 +85,9 @@ def stock_pair(c, nb):
     return F.rms_norm(h.float(), (D,), c["norm_w"].float(), EPS).to(BF16)
 
 
-def tuned_kernel(unroll: int, stages: int):
-    """The stock kernel with another tuning (bank rows per load, pipeline stages)."""
-    return lambda c, nb: attn_res_cuda(c["prefix"], c["bank"], c["delta"], c["query"], EPS, nb, -1, unroll=unroll,
-                                       stages=stages)
+def tuned_kernel(unroll: int):
+    """The stock kernel with another tuning (bank rows per load)."""
+    return lambda c, nb: attn_res_cuda(c["prefix"], c["bank"], c["delta"], c["query"], EPS, nb, -1, unroll=unroll)
 
 
 def variants() -> dict:
@@ -97,7 +96,7 @@ def variants() -> dict:
         "ref": ref_mix,
         "ref_inductor": torch.compile(ref_mix, dynamic=False),
         "kernel": lambda c, nb: torch.ops.kimi_k3.attn_res(c["prefix"], c["bank"], c["delta"], c["query"], EPS, nb, -1),
-        **{f"kernel_u{u}_s{st}": tuned_kernel(u, st) for u, st in KERNEL_VARIANTS},
+        **{f"kernel_u{u}": tuned_kernel(u) for u in KERNEL_VARIANTS},
         "stock_pair": torch.compile(stock_pair, dynamic=False),
         "fused": lambda c, nb: torch.ops.kimi_dep.attn_res_norm(c["prefix"], c["bank"], c["delta"], c["query"],
                                                                 c["norm_w"], EPS, nb, -1, EPS),
@@ -172,7 +171,7 @@ def main() -> None:
               f"{r['variants']['fused']['x_floor_practical']:.2f}") for r in results]
     print(common.format_table(headers, table))
     path = common.write_json(os.path.join(args.out, "attn_res.json"), {
-        "D": D, "bank_slots": NB, "write_slot": -1, "unroll": UNROLL, "stages": STAGES, "results": results,
+        "D": D, "bank_slots": NB, "write_slot": -1, "unroll": UNROLL, "results": results,
         "kernels": {"kimi_k3::attn_res": "stock.attn_res_cuda.attn_res_cuda (one Triton launch)",
                     "kimi_dep::attn_res_norm": "stock.attn_res_cuda.attn_res_norm_cuda (one Triton launch)"},
     })

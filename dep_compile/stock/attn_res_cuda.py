@@ -22,10 +22,11 @@ import triton.language as tl
 from torch import Tensor
 
 MAX_D = 16384  # the whole row stays in registers: [MAX_D] FP32 per live tensor (K3: 7168)
-# Bank rows per load, and loads in flight: at K3 size (16 warps, [2, 8192] FP32 = 32 registers a thread)
-# ptxas (CUDA 13, sm_90a) gives 124 registers, no spills, 64 KiB of shared memory for the prefetch;
-# UNROLL = 4 spills at the 128-register limit of 16 warps. benchmarks/bench_attn_res.py times variants.
-UNROLL, STAGES = 2, 3
+# Bank rows per load; the next load is issued into registers before a step's reductions. Measured on the H200
+# (docs/perf.md, 2026-12-04): 9-15 % faster than a 3-stage cp.async pipeline through shared memory at 4-16 bank
+# rows; 4 rows a load, or two loads ahead, run out of the 128 registers a thread of 16 warps has.
+# benchmarks/bench_attn_res.py times the variants.
+UNROLL = 2
 
 
 @triton.jit
@@ -35,14 +36,22 @@ def _add_pairs(a, b, c, d):
 
 
 @triton.jit
+def _bank_rows(bank_ptr, src, num_blocks, write_slot, t, stride_bs, stride_bt, d, ok):
+    """Bank slots ``src`` [UNROLL] of row ``t`` as stored [UNROLL, BLOCK_D]: 0 past num_blocks and at the slot
+    just written."""
+    keep = (src < num_blocks) & (src != write_slot)
+    return tl.load(bank_ptr + src[:, None] * stride_bs + t * stride_bt + d[None, :], mask=keep[:, None] & ok[None, :],
+                   other=0.0)
+
+
+@triton.jit
 def _attn_res_kernel(prefix_ptr, bank_ptr, delta_ptr, query_ptr, norm_w_ptr, out_ptr,
                      stride_p, stride_bs, stride_bt, stride_dl, stride_o, num_blocks, write_slot, eps, norm_eps,
-                     D: tl.constexpr, BLOCK_D: tl.constexpr, UNROLL: tl.constexpr, STAGES: tl.constexpr,
-                     NORM: tl.constexpr):
+                     D: tl.constexpr, BLOCK_D: tl.constexpr, UNROLL: tl.constexpr, NORM: tl.constexpr):
     """Row ``t``: prefix[t] += delta[t]; bank[write_slot, t] = prefix[t]; out[t] = the softmax mix
     (or, with NORM, its RMSNorm times norm_w). prefix/out [T, D], bank [NB, T, D], unit inner strides.
-    Bank rows are read UNROLL at a time (one [UNROLL, BLOCK_D] load), prefetched STAGES - 1 loads ahead
-    (cp.async into shared memory), so UNROLL * STAGES rows are in flight."""
+    Bank rows are read UNROLL at a time (one [UNROLL, BLOCK_D] load into registers), the next load issued before
+    this one's reductions, so 2 UNROLL rows are in flight."""
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     ok = d < D
@@ -60,13 +69,13 @@ def _attn_res_kernel(prefix_ptr, bank_ptr, delta_ptr, query_ptr, norm_w_ptr, out
     l = m * 0.0 + 1.0
     acc = pf
     j = tl.arange(0, UNROLL)
-    for s0 in tl.range(0, num_blocks, UNROLL, num_stages=STAGES):
+    nxt = _bank_rows(bank_ptr, j, num_blocks, write_slot, t, stride_bs, stride_bt, d, ok)
+    for s0 in tl.range(0, num_blocks, UNROLL, num_stages=1):  # no cp.async: the next load is issued by hand
         src = s0 + j  # [UNROLL] bank slots
         live = src < num_blocks
         fresh = src == write_slot  # just overwritten by this row's prefix: taken from registers
-        x = tl.load(bank_ptr + src[:, None] * stride_bs + t * stride_bt + d[None, :],
-                    mask=(live & ~fresh)[:, None] & ok[None, :], other=0.0).to(tl.float32)
-        x = tl.where(fresh[:, None], pf[None, :], x)  # [UNROLL, BLOCK_D]
+        x = tl.where(fresh[:, None], pf[None, :], nxt.to(tl.float32))  # [UNROLL, BLOCK_D]
+        nxt = _bank_rows(bank_ptr, src + UNROLL, num_blocks, write_slot, t, stride_bs, stride_bt, d, ok)
         xq, xx = tl.reduce((x * q[None, :], x * x), 1, _add_pairs)  # [UNROLL] each
         logit = tl.where(live, xq * tl.rsqrt(xx / D + eps), float("-inf"))
         m_new = tl.maximum(m, tl.max(logit, axis=0))
@@ -106,7 +115,7 @@ def unsupported(prefix: Tensor, bank: Tensor, delta: Tensor, query: Tensor, num_
     return None
 
 
-def _launch(prefix, bank, delta, query, norm_weight, out, eps, num_blocks, write_slot, norm_eps, unroll, stages):
+def _launch(prefix, bank, delta, query, norm_weight, out, eps, num_blocks, write_slot, norm_eps, unroll):
     T, D = prefix.shape
     if T == 0:
         return out
@@ -115,23 +124,21 @@ def _launch(prefix, bank, delta, query, norm_weight, out, eps, num_blocks, write
         prefix, bank, delta, query, norm_weight if norm_weight is not None else query, out,
         prefix.stride(0), bank.stride(0), bank.stride(1), delta.stride(0), out.stride(0),
         int(num_blocks), int(write_slot), float(eps), float(norm_eps),
-        D=D, BLOCK_D=BLOCK_D, UNROLL=unroll, STAGES=stages, NORM=norm_weight is not None,
+        D=D, BLOCK_D=BLOCK_D, UNROLL=unroll, NORM=norm_weight is not None,
         num_warps=max(1, min(16, BLOCK_D // 512)))
     return out
 
 
 def attn_res_cuda(prefix: Tensor, bank: Tensor, delta: Tensor, query: Tensor, eps: float, num_blocks: int,
-                  write_slot: int, unroll: int = UNROLL, stages: int = STAGES) -> Tensor:
+                  write_slot: int, unroll: int = UNROLL) -> Tensor:
     """``attn_res_ref`` in one launch: mutates ``prefix [T, D]`` and ``bank [NB, T, D]``; returns [T, D].
-    ``unroll`` (bank rows per load, a power of two) and ``stages``: tuning, compared by the benchmark."""
+    ``unroll`` (bank rows per load, a power of two): tuning, compared by the benchmark."""
     out = torch.empty_like(prefix)
-    return _launch(prefix, bank, delta, query, None, out, eps, num_blocks, write_slot, 0.0, unroll, stages)
+    return _launch(prefix, bank, delta, query, None, out, eps, num_blocks, write_slot, 0.0, unroll)
 
 
 def attn_res_norm_cuda(prefix: Tensor, bank: Tensor, delta: Tensor, query: Tensor, norm_weight: Tensor,
-                       eps: float, num_blocks: int, write_slot: int, norm_eps: float, unroll: int = UNROLL,
-                       stages: int = STAGES) -> Tensor:
+                       eps: float, num_blocks: int, write_slot: int, norm_eps: float, unroll: int = UNROLL) -> Tensor:
     """AttnRes then RMSNorm(norm_weight, norm_eps) of its BF16-rounded mix, in one launch: [T, D]."""
     out = torch.empty_like(prefix)
-    return _launch(prefix, bank, delta, query, norm_weight, out, eps, num_blocks, write_slot, norm_eps, unroll,
-                   stages)
+    return _launch(prefix, bank, delta, query, norm_weight, out, eps, num_blocks, write_slot, norm_eps, unroll)
