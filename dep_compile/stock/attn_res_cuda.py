@@ -24,7 +24,7 @@ from torch import Tensor
 MAX_D = 16384  # the whole row stays in registers: [MAX_D] FP32 per live tensor (K3: 7168)
 # Bank rows per load; the next load is issued into registers before a step's reductions. Measured on the H200
 # (docs/perf.md, 2026-12-04): 9-15 % faster than a 3-stage cp.async pipeline through shared memory at 4-16 bank
-# rows; 4 rows a load, or two loads ahead, run out of the 128 registers a thread of 16 warps has.
+# rows; 4 rows a load, or two loads ahead, measured slower (4 rows two loads ahead 5x: past the registers).
 # benchmarks/bench_attn_res.py times the variants.
 UNROLL = 2
 
