@@ -1,0 +1,121 @@
+#!/usr/bin/env python3
+"""The SM90 machine code of kimi_dep's hottest Triton loops, compiled on a CPU: each loop's instruction mix.
+
+Triton compiles for a GPU target without a GPU, and its wheel carries ``ptxas`` and ``cuobjdump``, so the SASS
+that an H200 runs can be read here: how many instructions a loop step issues, and of which kind (the ALU pipe's
+logic ops and shifts, the FMA pipe's, loads, barriers). docs/perf.md quotes these counts where it predicts a
+kernel change. The launch's specializations are reproduced (16-byte-aligned pointers and strides). The GPU image
+runs Triton 3.6: to read its code, install that Triton beside this one and put it first on the path::
+
+    pip install --no-deps --target /tmp/triton36 triton==3.6.0
+    PYTHONPATH=/tmp/triton36:. python3 benchmarks/sass_mix.py attn_res experts_gemm1
+
+Kernels (K3 shapes): ``attn_res`` (the fused AttnRes -> RMSNorm, 16 warps), ``experts_gemm1`` (the MXFP4 routed
+experts' gate / up GEMM on tiles, default tactic, 32-row passes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+
+def compile_sm90(kernel, signature: dict, constexprs: dict, **options):
+    """``kernel`` compiled for SM90 with ``signature`` (name -> Triton type) and ``constexprs``; pointers and
+    ``stride*`` arguments marked 16-byte aligned, as a launch with such tensors specializes them."""
+    sig = dict(signature, **{k: "constexpr" for k in constexprs})
+    names = list(sig)
+    aligned = [n for n in names if sig[n].startswith("*") or n.startswith("stride")]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    src = ASTSource(kernel, sig, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def sass(compiled) -> str:
+    """The cubin's SASS, by the ``cuobjdump`` Triton ships."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        return subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
+
+
+def loops(listing: str) -> list[collections.Counter]:
+    """The instruction mix (full opcode -> count) of each loop: the code from a backward branch's target to it
+    (an outer loop's mix holds its inner loops' code once)."""
+    code = []  # (address, opcode)
+    for line in listing.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Za-z0-9_.]*)(.*?);", line)
+        if m:
+            code.append((int(m.group(1), 16), m.group(2), m.group(3)))
+    found = []
+    for addr, op, rest in code:
+        target = re.match(r"\s*0x([0-9a-f]+)", rest) if op == "BRA" else None
+        if target and int(target.group(1), 16) < addr:
+            lo = int(target.group(1), 16)
+            found.append(collections.Counter(o for a, o, _ in code if lo <= a <= addr))
+    return found
+
+
+def attn_res():
+    """The fused AttnRes -> RMSNorm kernel at K3's hidden size."""
+    from dep_compile.stock import attn_res_cuda as A  # noqa: PLC0415
+
+    sig = dict(prefix_ptr="*bf16", bank_ptr="*bf16", delta_ptr="*bf16", query_ptr="*bf16", norm_w_ptr="*bf16",
+               out_ptr="*bf16", stride_p="i32", stride_bs="i32", stride_bt="i32", stride_dl="i32", stride_o="i32",
+               num_blocks="i32", write_slot="i32", eps="fp32", norm_eps="fp32")
+    return compile_sm90(A._attn_res_kernel, sig, dict(D=7168, BLOCK_D=8192, UNROLL=A.UNROLL, NORM=True), num_warps=16)
+
+
+def experts_gemm1():
+    """The MXFP4 routed experts' GEMM1 on tiles (K3: latent 3584, intermediate 3072), the default tactic."""
+    from dep_compile.ops import experts_triton as X  # noqa: PLC0415
+
+    t = X.DEFAULT_MXFP4_TACTIC
+    bm = X.experts_block_m(64)
+    pipe = X._pipeline(2 * t.block_n1, bm, X.BIG_M, t, True)
+    sig = dict(x_ptr="*bf16", w13_ptr="*i32", s13_ptr="*i16", act_ptr="*bf16", part_ptr="*fp32", order_ptr="*i32",
+               slot_ptr="*i32", meta_ptr="*i32", stride_x="i32", stride_we="i64", stride_wn="i64", stride_se="i64",
+               stride_sn="i64", K_TOP="i32", beta="fp32", beta_lin="fp32")
+    consts = dict(LAT=3584, INTER=3072, BLOCK_M=bm, BIG_M=X.BIG_M, BLOCK_N=t.block_n1, BLOCK_K=t.block_k,
+                  STAGES=pipe["STAGES"], BIG_STAGES=pipe["BIG_STAGES"], MXFP4=True, PTX=True, TILES=True,
+                  INTERPRET=False, N_TILES=3072 // t.block_n1, STEPS=3584 // t.block_k, SLOTS=396, S_MAX=t.split_k,
+                  ROWS=X.SPLIT_ROWS)
+    return compile_sm90(X._gemm1_kernel, sig, consts, num_warps=t.num_warps, num_stages=pipe["num_stages"],
+                        maxnreg=t.maxnreg)
+
+
+KERNELS = {"attn_res": attn_res, "experts_gemm1": experts_gemm1}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("kernels", nargs="+", choices=sorted(KERNELS))
+    ap.add_argument("--top", type=int, default=24, help="opcodes listed a loop")
+    args = ap.parse_args()
+    print(f"Triton {triton.__version__}, SM90")
+    for name in args.kernels:
+        listing = sass(KERNELS[name]())
+        spills = len(re.findall(r"\b(?:LDL|STL)\b", listing))
+        print(f"\n{name}: {spills} local-memory (spill) instructions")
+        for i, mix in enumerate(loops(listing)):
+            top = ", ".join(f"{op} {n}" for op, n in mix.most_common(args.top))
+            print(f"  loop {i}: {sum(mix.values())} instructions a step; {top}")
+
+
+if __name__ == "__main__":
+    main()

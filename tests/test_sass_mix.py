@@ -1,0 +1,37 @@
+"""The SM90 code of the hottest loops keeps the structure their measured speed comes from (benchmarks/sass_mix.py:
+compiled on the CPU by Triton's own ptxas; docs/perf.md gives the measurements)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+triton = pytest.importorskip("triton")
+if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")):
+    pytest.skip("this Triton ships no CUDA tools", allow_module_level=True)
+
+from benchmarks import sass_mix  # noqa: E402
+
+
+def _loop_with(kernel: str, opcode: str):
+    """The first loop of ``kernel`` whose mix holds ``opcode``."""
+    mixes = [m for m in sass_mix.loops(sass_mix.sass(sass_mix.KERNELS[kernel]())) if m[opcode]]
+    assert mixes, f"{kernel}: no loop issues {opcode}"
+    return mixes[0]
+
+
+def test_attn_res_loop_prefetches_into_registers_and_reduces_once():
+    """A step loads its next two bank rows straight into registers (4 x 16 bytes a thread, no cp.async through
+    shared memory), and a source's two sums cross the warps in one reduction (3 barriers a step, not 6)."""
+    mix = _loop_with("attn_res", "SHFL.BFLY")
+    assert mix["LDG.E.128"] == 4 and not any(op.startswith("LDGSTS") for op in mix), mix
+    assert mix["BAR.SYNC.DEFER_BLOCKING"] <= 3, mix
+
+
+def test_experts_gemm1_dequantizer_instruction_count():
+    """The rotated words: a 128-input step of 128 MXFP4 values a thread (16 words) takes 64 BF16x2 scale FMAs and at
+    most 12 logic ops and rotations a word (11 place the codes: stock/mxfp4_tiles.py; the nibble words took 22)."""
+    mix = _loop_with("experts_gemm1", "HGMMA.64x32x16.F32.BF16")
+    placing = mix["LOP3.LUT"] + mix["SHF.L.W.U32.HI"]
+    assert mix["HMUL2.BF16_V2"] == 64 and placing <= 12 * 16, (placing, mix)
