@@ -32,6 +32,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from dep_compile.stock.config import PRESETS  # noqa: E402
+
 
 def compile_sm90(kernel, signature: dict, constexprs: dict, **options):
     """``kernel`` compiled for SM90 with ``signature`` (name -> Triton type) and ``constexprs``; pointers and
@@ -75,26 +77,30 @@ def attn_res():
     """The fused AttnRes -> RMSNorm kernel at K3's hidden size."""
     from dep_compile.stock import attn_res_cuda as A  # noqa: PLC0415
 
+    D = PRESETS["k3"].hidden_size
+    block_d, num_warps = A.launch_shape(D)
     sig = dict(prefix_ptr="*bf16", bank_ptr="*bf16", delta_ptr="*bf16", query_ptr="*bf16", norm_w_ptr="*bf16",
                out_ptr="*bf16", stride_p="i32", stride_bs="i32", stride_bt="i32", stride_dl="i32", stride_o="i32",
                num_blocks="i32", write_slot="i32", eps="fp32", norm_eps="fp32")
-    return compile_sm90(A._attn_res_kernel, sig, dict(D=7168, BLOCK_D=8192, UNROLL=A.UNROLL, NORM=True), num_warps=16)
+    return compile_sm90(A._attn_res_kernel, sig, dict(D=D, BLOCK_D=block_d, UNROLL=A.UNROLL, NORM=True),
+                        num_warps=num_warps)
 
 
 def experts_gemm1():
-    """The MXFP4 routed experts' GEMM1 on tiles (K3: latent 3584, intermediate 3072), the default tactic."""
+    """The MXFP4 routed experts' GEMM1 on tiles at K3's shapes, the default tactic, 64 tokens (32-row passes)."""
     from dep_compile.ops import experts_triton as X  # noqa: PLC0415
 
-    t = X.DEFAULT_MXFP4_TACTIC
+    cfg, t = PRESETS["k3"], X.DEFAULT_MXFP4_TACTIC
+    lat, inter = cfg.moe_latent_size, cfg.moe_intermediate
     bm = X.experts_block_m(64)
-    pipe = X._pipeline(2 * t.block_n1, bm, X.BIG_M, t, True)
+    pipe = X._pipeline(2 * t.block_n1, bm, max(bm, X.BIG_M), t, True)
     sig = dict(x_ptr="*bf16", w13_ptr="*i32", s13_ptr="*i16", act_ptr="*bf16", part_ptr="*fp32", order_ptr="*i32",
                slot_ptr="*i32", meta_ptr="*i32", stride_x="i32", stride_we="i64", stride_wn="i64", stride_se="i64",
                stride_sn="i64", K_TOP="i32", beta="fp32", beta_lin="fp32")
-    consts = dict(LAT=3584, INTER=3072, BLOCK_M=bm, BIG_M=X.BIG_M, BLOCK_N=t.block_n1, BLOCK_K=t.block_k,
+    consts = dict(LAT=lat, INTER=inter, BLOCK_M=bm, BIG_M=max(bm, X.BIG_M), BLOCK_N=t.block_n1, BLOCK_K=t.block_k,
                   STAGES=pipe["STAGES"], BIG_STAGES=pipe["BIG_STAGES"], MXFP4=True, PTX=True, TILES=True,
-                  INTERPRET=False, N_TILES=3072 // t.block_n1, STEPS=3584 // t.block_k, SLOTS=396, S_MAX=t.split_k,
-                  ROWS=X.SPLIT_ROWS)
+                  INTERPRET=False, N_TILES=triton.cdiv(inter, t.block_n1), STEPS=triton.cdiv(lat, t.block_k),
+                  SLOTS=t.fill * X.INTERPRETER_SMS, S_MAX=t.split_k, ROWS=X.SPLIT_ROWS)
     return compile_sm90(X._gemm1_kernel, sig, consts, num_warps=t.num_warps, num_stages=pipe["num_stages"],
                         maxnreg=t.maxnreg)
 

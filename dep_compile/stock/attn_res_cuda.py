@@ -115,17 +115,23 @@ def unsupported(prefix: Tensor, bank: Tensor, delta: Tensor, query: Tensor, num_
     return None
 
 
+def launch_shape(D: int) -> tuple[int, int]:
+    """(BLOCK_D, num_warps) of a launch at hidden size ``D``: the whole row, 512 values a warp, at most 16 warps."""
+    BLOCK_D = triton.next_power_of_2(D)
+    return BLOCK_D, max(1, min(16, BLOCK_D // 512))
+
+
 def _launch(prefix, bank, delta, query, norm_weight, out, eps, num_blocks, write_slot, norm_eps, unroll):
     T, D = prefix.shape
     if T == 0:
         return out
-    BLOCK_D = triton.next_power_of_2(D)
+    BLOCK_D, num_warps = launch_shape(D)
     _attn_res_kernel[(T,)](
         prefix, bank, delta, query, norm_weight if norm_weight is not None else query, out,
         prefix.stride(0), bank.stride(0), bank.stride(1), delta.stride(0), out.stride(0),
         int(num_blocks), int(write_slot), float(eps), float(norm_eps),
         D=D, BLOCK_D=BLOCK_D, UNROLL=unroll, NORM=norm_weight is not None,
-        num_warps=max(1, min(16, BLOCK_D // 512)))
+        num_warps=num_warps)
     return out
 
 
