@@ -290,6 +290,8 @@ def measure_point(model, args, rows: int, q: int, context: int, device, full=Non
     rank, ranks = dep_ranks.world()
     pt = Point(cfg, rows, q, context, args.block_size, device, seed=rows + 7 * q + 1000 * rank)
     opts = {"inductor": False, **_cublas_only()} if device.type == "cpu" else None
+    if args.attn_res_ahead:
+        opts = {**(opts or {}), "attn_res_ahead": True}
     out: dict = dict(rows=rows, q=q, context=context,  # the caches as allocated (blocks rounded up), for the memory table
                      cache_bytes=sum(t.numel() * t.element_size() for lc in pt.cache.layers for t in lc.tensors().values()))
     t0 = time.perf_counter()
@@ -447,6 +449,9 @@ def parse_args(argv=None):
     ap.add_argument("--decisive", action="store_true",
                     help="the routers' correction biases 1 apart: no near-tied expert flips (the parity yardstick); "
                          "every token then takes the same experts")
+    ap.add_argument("--attn-res-ahead", action="store_true",
+                    help="kimi_dep option attn_res_ahead: each AttnRes point's bank part computed a point early, on a "
+                         "side stream")
     ap.add_argument("--profile", action="store_true", help="per-kernel breakdown at --profile-point")
     ap.add_argument("--profile-point", type=int, nargs=3, default=[64, 1, 4096], metavar=("ROWS", "Q", "CTX"))
     ap.add_argument("--device", default="cuda")
@@ -491,7 +496,7 @@ def main(argv=None) -> list[dict]:
     points: list[dict] = []
     meta = dict(memory=memory, preset=cfg.name, layers=args.layers, experts=experts, experts_format=cfg.experts_format,
                 dense_format=cfg.dense_format, latent_cache=cfg.latent_cache_dtype, local_experts=args.local_experts,
-                experts_layout=args.experts_layout,
+                experts_layout=args.experts_layout, attn_res_ahead=args.attn_res_ahead,
                 ep=ranks, decisive=args.decisive,
                 link_bps=args.link_bps,
                 command="python benchmarks/bench_decoder.py " + " ".join(sys.argv[1:] if argv is None else argv))

@@ -10,7 +10,7 @@ runs Triton 3.6: to read its code, install that Triton beside this one and put i
     pip install --no-deps --target /tmp/triton36 triton==3.6.0
     PYTHONPATH=/tmp/triton36:. python3 benchmarks/sass_mix.py attn_res experts_gemm1
 
-Kernels (K3 shapes): ``attn_res`` (the fused AttnRes -> RMSNorm, 16 warps), ``experts_gemm1`` (the MXFP4 routed
+Kernels (K3 shapes): ``attn_res`` (the fused AttnRes -> RMSNorm reading its bank rows, 16 warps), ``experts_gemm1`` (the MXFP4 routed
 experts' gate / up GEMM on tiles, default tactic, 32-row passes).
 """
 
@@ -80,9 +80,9 @@ def attn_res():
     D = PRESETS["k3"].hidden_size
     block_d, num_warps = A.launch_shape(D)
     sig = dict(prefix_ptr="*bf16", bank_ptr="*bf16", delta_ptr="*bf16", query_ptr="*bf16", norm_w_ptr="*bf16",
-               out_ptr="*bf16", stride_p="i32", stride_bs="i32", stride_bt="i32", stride_dl="i32", stride_o="i32",
-               num_blocks="i32", write_slot="i32", eps="fp32", norm_eps="fp32")
-    return compile_sm90(A._attn_res_kernel, sig, dict(D=D, BLOCK_D=block_d, UNROLL=A.UNROLL, NORM=True),
+               part_ptr="*fp32", out_ptr="*bf16", stride_p="i32", stride_bs="i32", stride_bt="i32", stride_dl="i32",
+               stride_pt="i32", stride_o="i32", num_blocks="i32", write_slot="i32", eps="fp32", norm_eps="fp32")
+    return compile_sm90(A._attn_res_kernel, sig, dict(D=D, BLOCK_D=block_d, UNROLL=A.UNROLL, NORM=True, PART=False),
                         num_warps=num_warps)
 
 

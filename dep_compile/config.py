@@ -38,6 +38,7 @@ class DepOptions:
     max_q: int = MAX_VERIFY_Q
     moe_top_k: int = 16
     sparse_mla: str = "auto"
+    attn_res_ahead: bool = False
     dump_dir: str | None = None
     validate: bool = True
     inductor: bool = True
@@ -57,6 +58,9 @@ class DepOptions:
         "moe_top_k": "the routed top-k a MoE must have to be rewritten (K3: 16)",
         "sparse_mla": "DSA sparse-MLA kernel: 'auto' (FlashInfer where it runs, else Triton), 'triton', 'flashinfer'"
                       " (a compile error where it cannot run)",
+        "attn_res_ahead": "True: each fused AttnRes point also computes the next one's bank part on a side stream, "
+                          "beside the sublayer between them (CUDA; passes/attn_res.link_points); off until timed "
+                          "on the H200",
         "dump_dir": "write graphs, match reports and near misses here (or $DEP_COMPILE_DUMP_DIR)",
         "validate": "run each matched layer's stock subgraph and its replacement on small random inputs at compile"
                     " time and keep the rewrite only if they agree (translation validation); False skips that"
@@ -149,7 +153,7 @@ class DepOptions:
             raise self._bad("sparse_mla", "one of " + ", ".join(map(repr, SPARSE_MLA_KERNELS)), self.sparse_mla)
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
             raise self._bad("dump_dir", "a str or os.PathLike (or None)", self.dump_dir)
-        for name in ("validate", "inductor"):
+        for name in ("validate", "inductor", "attn_res_ahead"):
             if not isinstance(getattr(self, name), bool):
                 raise self._bad(name, "a bool", getattr(self, name))
         if not isinstance(self.inductor_config, Mapping) or not all(isinstance(k, str) for k in self.inductor_config):

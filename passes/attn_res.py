@@ -19,6 +19,12 @@ and delta; post-grad, random weights too), output, prefix and bank compared.
 
 AttnRes points are glue, not layers: the manager runs this pass on every graph, whatever option
 ``kinds`` says, and the report lists its rows apart (``MatchReport.points``).
+
+Then ``link_points`` links each two consecutive fused points of the graph that read one bank with nothing
+between them touching it and share eps: the first computes the second's bank part on a side stream
+(``ops/attn_res.py``), so that part runs beside the sublayer between them. The link changes no value (the op
+checks at run time that the part it takes was computed from its own bank, query and schedule); the report says
+how many pairs were linked and why the others were not.
 """
 
 from __future__ import annotations
@@ -28,7 +34,9 @@ import enum
 import torch
 
 from .base import Found, LayerPass, PassContext, check_bf16
-from .calls import NoMatch, is_functionalized, op_args, op_name, position, require, single_user, val
+from .calls import (NoMatch, base_outputs, is_call, is_functionalized, op_args, op_name, position, require,
+                    single_user, val)
+from .functionalized import eager_vals
 from .trees import match_rms_norm
 from .validate import ProbeInputs, ProbeRandom
 
@@ -133,3 +141,44 @@ class AttnResPass(LayerPass):
                    span="between the AttnRes call and its norm")
         return "kimi_dep.attn_res_norm", {}
 
+
+
+def _link_blocker(a: Node, b: Node) -> str | None:
+    """Why fused point ``b`` cannot take its bank part from the fused point ``a`` before it (None: it can)."""
+    x, y = op_args(a, ATTN_RES_NORM.default), op_args(b, ATTN_RES_NORM.default)
+    if is_functionalized(b):  # post-grad: b's bank must be the bank a returns, which nothing else writes
+        bank_index = a.kwargs.get("_bank_base_index")
+        out = base_outputs(a).get(bank_index) if isinstance(bank_index, int) else None
+        if out is None or y["bank"] is not out:
+            return "the second point's bank is not the one the first returns"
+    else:  # Dynamo graph: one bank tensor, written in place; nothing between the two may touch it
+        if y["bank"] is not x["bank"]:
+            return "the two points read different banks"
+        between = [u.name for u in x["bank"].users if position(a) < position(u) < position(b)]
+        if between:
+            return f"{', '.join(between)} read or write the bank between them"
+    if float(x["eps"]) != float(y["eps"]):
+        return f"their eps differ ({x['eps']} and {y['eps']})"
+    if not (isinstance(y["query"], Node) and position(y["query"]) < position(a)):
+        return "the second point's query is not a graph input defined before the first point"
+    return None
+
+
+def link_points(graph: torch.fx.Graph) -> tuple[int, list[str]]:
+    """Link consecutive fused points (module docstring): (pairs linked, a line per pair not linked)."""
+    fused = [n for n in graph.nodes if is_call(n, ATTN_RES_NORM.default)]
+    linked, refused = 0, []
+    for a, b in zip(fused, fused[1:]):
+        why = _link_blocker(a, b)
+        if why is not None:
+            refused.append(f"{a.name} -> {b.name}: {why}")
+            continue
+        y = op_args(b, ATTN_RES_NORM.default)
+        a.kwargs = {**a.kwargs, "next_query": y["query"], "next_num_blocks": int(y["num_blocks"]),
+                    "next_write_slot": int(y["write_slot"]), "part_out": linked}
+        b.kwargs = {**b.kwargs, "part_in": linked}
+        for n in (a, b):
+            if is_functionalized(n):
+                n.meta["eager_input_vals"] = eager_vals(n)
+        linked += 1
+    return linked, refused

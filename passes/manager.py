@@ -19,7 +19,7 @@ from dep_compile.config import DepOptions
 from dep_compile.debug import dump
 from dep_compile.debug.report import LayerMatch, MatchReport, record
 
-from .attn_res import AttnResPass
+from .attn_res import AttnResPass, link_points
 from .base import LayerPass, PassContext
 from .dsa import DsaPass
 from .calls import UNSPECIALIZED_HINT, unspecialized_floats
@@ -84,13 +84,15 @@ class DepPassManager:
                              f"policy: kind {p.kind!r} not in options kinds {self.options.kinds}", p.stock_name(found),
                              check="policy")
                   for p in self.glue for found in p.find(gm.graph)]
+        ahead = self.options.attn_res_ahead and "attn_res" in self.options.kinds
+        linked, link_refusals = link_points(gm.graph) if ahead else (0, [])
         gm.graph.lint()
         gm.recompile()
         rows.sort(key=lambda m: (m.layer if m.layer is not None else 1 << 30, m.kind == "moe"))
         for m in rows + points:  # as Inductor counts its pattern matches
             counters["kimi_dep"][f"{m.kind}_{'rewritten' if m.rewritten else 'stock'}"] += 1
         report = MatchReport(graph_name, rows, time.perf_counter() - t0, self.options.fingerprint(),
-                             ctx.validate_seconds, points)
+                             ctx.validate_seconds, points, linked, link_refusals)
         record(report)
         dump.emit_trace_artifact(report)
         if self.options.dump_dir:

@@ -33,7 +33,7 @@ from dep_compile.stock import build_model, preset
 from dep_compile.stock import ops as stock_ops
 from dep_compile.stock.layers import RMSNorm
 from dep_compile.stock.model import KimiDecoderLayer
-from dep_compile.stock.reference.attn_res import attn_res_ref
+from dep_compile.stock.reference.attn_res import attn_res_ref, bank_part_ref, merge_part_ref
 
 from helpers import CUBLAS_ONLY, assert_agrees, compare_steps, fallback_log, run_pair
 from triton_device import ON_CPU, TRITON_DEV, device_test, ulps, use_triton
@@ -73,13 +73,40 @@ def test_opcheck():
                           (x["prefix"], x["bank"], x["deltas"][0], x["query"], x["norm_w"], EPS, 2, 1, NORM_EPS))
 
 
+def test_opcheck_linked():
+    x = _inputs(2, 64, 3, seed=1)
+    torch.library.opcheck(torch.ops.kimi_dep.attn_res_norm.default,
+                          (x["prefix"], x["bank"], x["deltas"][0], x["query"], x["norm_w"], EPS, 2, 1, NORM_EPS),
+                          dict(next_query=x["norm_w"], next_num_blocks=2, next_write_slot=-1, part_in=0, part_out=1))
+
+
+@pytest.mark.parametrize("num_blocks,write_slot", [(0, -1), (1, 0), (3, -1), (3, 2), (2, 3), (4, 0), (4, 1)])
+def test_bank_part_then_merge_is_the_point_within_a_rounding(num_blocks, write_slot):
+    """The split the CUDA op runs (the bank slots the point does not write summed first, then merged with its
+    prefix) is the point's mix within one BF16 rounding; a part over the wrong slots is not."""
+    x = _inputs(5, 96, 4, seed=num_blocks)
+    p, b = x["prefix"].clone(), x["bank"].clone()
+    part = bank_part_ref(b, x["query"], EPS, num_blocks, write_slot)  # before the point: its slots are final
+    ref = attn_res_ref(p, b, x["deltas"][0], x["query"], EPS, num_blocks, write_slot)
+    _check_mix(merge_part_ref(p, part, x["query"], EPS, num_blocks, write_slot), ref)
+    if num_blocks >= 2 and write_slot != num_blocks - 1:
+        wrong = bank_part_ref(b, x["query"], EPS, num_blocks - 1, write_slot)  # one slot short
+        assert not torch.equal(merge_part_ref(p, wrong, x["query"], EPS, num_blocks, write_slot), ref)
+
+
 # ---- CPU: the pass on whole decoders ------------------------------------------------------------
 
-def _assert_all_fused(report, cfg):
+AHEAD = {"attn_res_ahead": True}
+
+
+def _assert_all_fused(report, cfg, ahead=False):
     assert len(report.points) == 2 * cfg.num_layers, report.table()
     assert all(m.rewritten and m.op == "kimi_dep.attn_res_norm" and m.validation.startswith("probe")
                for m in report.points), report.table()
     assert f"{2 * cfg.num_layers} of {2 * cfg.num_layers} points fused" in report.table()
+    pairs = 2 * cfg.num_layers - 1 if ahead else 0  # each point but the first takes its bank part from the one before
+    assert report.points_linked == pairs and not report.link_refusals, report.table()
+    assert (f"on a side stream (CUDA): {pairs} of {pairs} consecutive pairs" in report.table()) == ahead
 
 
 @pytest.mark.parametrize("name,q", [("k31-small", 1), ("mixed-small", 2)])
@@ -87,8 +114,8 @@ def test_pass_fuses_every_pair_and_stays_bit_exact(name, q):
     cfg = preset(name)
     accepted = None if q == 1 else (lambda i, b: [1 + (i + r) % q for r in range(b)])
     before = counters["kimi_dep"]["attn_res_rewritten"]
-    r = run_pair(cfg, steps=4, batch=3, q=q, accepted=accepted)
-    _assert_all_fused(r.report, cfg)
+    r = run_pair(cfg, steps=4, batch=3, q=q, accepted=accepted, options=AHEAD if q == 1 else None)
+    _assert_all_fused(r.report, cfg, ahead=q == 1)
     assert counters["kimi_dep"]["attn_res_rewritten"] - before == 2 * cfg.num_layers
     assert r.logits_err == 0.0 and r.cache_err == 0.0, r.cache_errs
 
@@ -106,10 +133,10 @@ class RecordingPass(DepPostGradPass):
 def test_post_grad_fuses_every_pair():
     cfg = preset("k31-small", num_layers=4)
     model = decisive_routing(build_model(cfg, seed=1))
-    pass_ = RecordingPass(CUBLAS_ONLY)
+    pass_ = RecordingPass({**CUBLAS_ONLY, **AHEAD})
     with inductor_config.patch(post_grad_custom_post_pass=pass_, force_disable_caches=True):
         r = compare_steps(cfg, model, torch.compile(model, fullgraph=True, dynamic=False), steps=4, batch=2)
-    _assert_all_fused(r.report, cfg)
+    _assert_all_fused(r.report, cfg, ahead=True)
     assert pass_.ops["kimi_dep.attn_res_norm"] == 8 and "kimi_k3.attn_res" not in pass_.ops, pass_.ops
     # Inductor fuses the glue around the ops (the final norm, residual adds): an ulp here and there,
     # which a near-tied router would amplify, hence decisive routing (tests/helpers.agreement_failures)
@@ -176,13 +203,29 @@ def test_near_miss_stays_stock_with_reason(variant):
     model = build_model(cfg, seed=1)
     change, reason = NEAR_MISSES[variant]
     change(model)
-    r = run_pair(cfg, model=model, steps=3, batch=2)
+    r = run_pair(cfg, model=model, steps=3, batch=2, options=AHEAD)
     rep = r.report
     (miss,) = rep.stock_points()
     assert miss.module == "model.layers.1.attn_res" and reason in miss.reason and miss.check == "structure", rep.table()
     assert miss in rep.near_misses() and f"stock model.layers.1.attn_res: {miss.reason}" in rep.table()
     assert sum(m.rewritten for m in rep.points) == 3
+    # the stock point between the second and the third fused ones writes the bank: that pair is not linked
+    assert rep.points_linked == 1 and len(rep.link_refusals) == 1, rep.table()
+    assert "read or write the bank between them" in rep.link_refusals[0], rep.table()
     assert r.logits_err == 0.0 and r.cache_err == 0.0, r.cache_errs
+
+
+def test_points_with_another_eps_are_not_linked():
+    """A point whose eps differs from its neighbours' is fused but not linked to them (its bank part would be
+    computed with the giver's eps); the report says why, and the decoder stays exact."""
+    cfg = preset("k31-small", num_layers=2)
+    model = build_model(cfg, seed=1)
+    model.model.layers[1].attn_res.eps = 2 * cfg.rms_eps
+    r = run_pair(cfg, model=model, steps=2, batch=2, options=AHEAD)
+    rep = r.report
+    assert all(m.rewritten for m in rep.points) and rep.points_linked == 1, rep.table()
+    assert len(rep.link_refusals) == 2 and all("their eps differ" in x for x in rep.link_refusals), rep.table()
+    assert "not linked" in rep.table() and r.logits_err == 0.0 and r.cache_err == 0.0
 
 
 def test_fp32_model_points_stay_stock():
@@ -272,6 +315,34 @@ def _run_kernel_case(T, D, NB, num_blocks, write_slot, seed, unroll):
 SMALL_CASES = [(T, nb, ws) for T in (1, 3) for nb, ws in ((0, -1), (1, 0), (3, -1), (3, 2), (2, 3), (4, 0))]
 
 
+def _run_part_case(T, D, NB, num_blocks, write_slot, seed, unroll):
+    """The bank part kernel against ``bank_part_ref``, and the point kernel merging it against the reference."""
+    k = _kernels()
+    x = _inputs(T, D, NB, seed)
+    dev = {n: (v.to(TRITON_DEV) if isinstance(v, torch.Tensor) else v) for n, v in x.items()}
+    p_ref, b_ref = x["prefix"].clone(), x["bank"].clone()
+    part_ref = bank_part_ref(b_ref, x["query"], EPS, num_blocks, write_slot)
+    ref = attn_res_ref(p_ref, b_ref, x["deltas"][0], x["query"], EPS, num_blocks, write_slot)
+    ref_n = F.rms_norm(ref.float(), (D,), x["norm_w"].float(), NORM_EPS).to(BF16)
+    p_k, b_k = dev["prefix"].clone(), dev["bank"].clone()
+    assert k.part_unsupported(b_k, dev["query"], num_blocks, write_slot) is None
+    part = k.attn_res_bank_part_cuda(b_k, dev["query"], EPS, num_blocks, write_slot, unroll=unroll)
+    assert part.shape == (T, D + k.PART_EXTRA) and part.dtype == torch.float32
+    got, want = part[:, :D + 2].cpu(), part_ref[:, :D + 2]
+    assert torch.equal(got.isinf(), want.isinf()) and torch.allclose(got.nan_to_num(), want.nan_to_num(), rtol=1e-5,
+                                                                      atol=1e-5 * want[:, :D].abs().max().item())
+    got_n = k.attn_res_norm_cuda(p_k, b_k, dev["deltas"][0], dev["query"], dev["norm_w"], EPS, num_blocks, write_slot,
+                                 NORM_EPS, unroll=unroll, part=part)
+    assert torch.equal(p_k.cpu(), p_ref) and torch.equal(b_k.cpu(), b_ref)
+    _check_normed(got_n, ref_n)
+
+
+@device_test
+@pytest.mark.parametrize("T,num_blocks,write_slot", SMALL_CASES)
+def test_bank_part_kernels_small(T, num_blocks, write_slot):
+    _run_part_case(T, 200, 4, num_blocks, write_slot, seed=10 * T + num_blocks, unroll=2)
+
+
 @device_test
 @pytest.mark.parametrize("unroll", [2, 4])
 @pytest.mark.parametrize("T,num_blocks,write_slot", SMALL_CASES)
@@ -287,6 +358,15 @@ def test_kernels_full_size(T, num_blocks):
     for write_slot in sorted({-1, max(num_blocks - 1, 0), num_blocks}):
         for unroll in (2, 4):
             _run_kernel_case(T, 7168, 16, num_blocks, write_slot, seed=T + num_blocks, unroll=unroll)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(ON_CPU, reason="full size on CUDA only")
+@pytest.mark.parametrize("T", [1, 64])
+@pytest.mark.parametrize("num_blocks", [0, 1, 4, 8])
+def test_bank_part_kernels_full_size(T, num_blocks):
+    for write_slot in sorted({-1, max(num_blocks - 1, 0), num_blocks}):
+        _run_part_case(T, 7168, 16, num_blocks, write_slot, seed=T + num_blocks, unroll=2)
 
 
 @device_test
@@ -341,3 +421,64 @@ def test_ops_on_cuda_graph_capture_and_replay():
     assert torch.equal(p.cpu(), pr) and torch.equal(b.cpu(), br)
     _check_mix(out["mix"], mix)
     _check_normed(out["normed"], normed)
+
+
+def _linked_points(p, b, x, deltas, schedule, stale=None):
+    """``schedule``'s points through the op, each computing the next one's bank part (links 0, 1, ...); ``stale``:
+    the index of a point told a wrong schedule for its successor's part. Returns the normalized outputs."""
+    outs = []
+    for i, ((nb, ws), delta) in enumerate(zip(schedule, deltas)):
+        nxt = dict(next_query=x["query"], next_num_blocks=schedule[i + 1][0] + (i == stale),
+                   next_write_slot=schedule[i + 1][1], part_out=i) if i + 1 < len(schedule) else {}
+        outs.append(torch.ops.kimi_dep.attn_res_norm(p, b, delta, x["query"], x["norm_w"], EPS, nb, ws, NORM_EPS,
+                                                     part_in=i - 1, **nxt))
+    return outs
+
+
+LINKED_SCHEDULE = [(1, 0), (1, -1), (2, 1), (2, -1), (3, -1), (4, 3), (4, -1)]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(ON_CPU, reason="CUDA streams and graphs")
+def test_linked_points_on_cuda_eager_and_graph_replay():
+    """Points linked as the pass links them: each takes its bank part from the side stream (the bank rows are not
+    read: a part computed from a wrong schedule is refused and logged), in eager steps and a CUDA-graph replay,
+    against the reference chain; prefix and bank bit-exact."""
+    from dep_compile.ops import attn_res as op_module  # noqa: PLC0415
+
+    x = _inputs(64, 7168, 8, seed=4, device="cuda")
+    deltas = [torch.randn(64, 7168, generator=torch.Generator().manual_seed(i)).to(BF16).cuda()
+              for i in range(len(LINKED_SCHEDULE))]
+    p0, b0 = x["prefix"].clone(), x["bank"].clone()
+    pr, br = p0.cpu(), b0.cpu()
+    refs = []
+    for (nb, ws), delta in zip(LINKED_SCHEDULE, deltas):
+        h = attn_res_ref(pr, br, delta.cpu(), x["query"].cpu(), EPS, nb, ws)
+        refs.append(F.rms_norm(h.float(), (7168,), x["norm_w"].cpu().float(), NORM_EPS).to(BF16))
+
+    def check(outs, p, b):
+        assert torch.equal(p.cpu(), pr) and torch.equal(b.cpu(), br)
+        for got, ref in zip(outs, refs):
+            _check_normed(got, ref)
+
+    p, b = p0.clone(), b0.clone()
+    with fallback_log() as logged:
+        outs = _linked_points(p, b, x, deltas, LINKED_SCHEDULE)
+        torch.cuda.synchronize()
+    assert not logged and not op_module._PARTS, (logged, op_module._PARTS)  # every part given was taken
+    check(outs, p, b)
+    p, b = p0.clone(), b0.clone()
+    with fallback_log() as logged:
+        outs = _linked_points(p, b, x, deltas, LINKED_SCHEDULE, stale=2)
+        torch.cuda.synchronize()
+    assert any("computed from other inputs" in m for m in logged), logged
+    check(outs, p, b)
+    graph, box = torch.cuda.CUDAGraph(), {}
+    p, b = p0.clone(), b0.clone()
+    with torch.cuda.graph(graph):
+        box["outs"] = _linked_points(p, b, x, deltas, LINKED_SCHEDULE)
+    p.copy_(p0)
+    b.copy_(b0)
+    graph.replay()
+    torch.cuda.synchronize()
+    check(box["outs"], p, b)

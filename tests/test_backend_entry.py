@@ -92,6 +92,7 @@ def test_registered_once_under_its_name():
 # ---------------------------------------------------------------------------------------------
 
 VALID = ["kinds", "projection_tables", "oproj_table", "front_max", "batches", "max_q", "moe_top_k", "sparse_mla",
+         "attn_res_ahead",
          "dump_dir", "validate", "inductor", "inductor_config"]
 
 

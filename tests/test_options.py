@@ -45,6 +45,7 @@ def test_options_returns_the_plain_dict_given():
     ({"validate": "false"}, "kimi_dep: validate: expected a bool, got 'false'"),
     ({"validate": 0}, "kimi_dep: validate: expected a bool, got 0"),
     ({"inductor": 1}, "kimi_dep: inductor: expected a bool, got 1"),
+    ({"attn_res_ahead": "yes"}, "kimi_dep: attn_res_ahead: expected a bool, got 'yes'"),
     ({"kinds": "dsa"}, "kimi_dep: kinds: expected a tuple or list of ('dsa', 'kda', 'moe', 'attn_res')"),
     ({"kinds": ("dsa", "mla")}, "kimi_dep: kinds: expected a subset of ('dsa', 'kda', 'moe', 'attn_res')"),
     ({"batches": 8}, "kimi_dep: batches: expected a tuple or list of ints >= 1, got 8"),

@@ -45,6 +45,8 @@ class MatchReport:
     options: str = ""
     validate_seconds: float = 0.0  # the part of pass_seconds spent in translation validation
     points: list[LayerMatch] = dataclasses.field(default_factory=list)  # AttnRes -> RMSNorm points
+    points_linked: int = 0  # consecutive fused points whose second's bank part the first computes (side stream)
+    link_refusals: list[str] = dataclasses.field(default_factory=list)  # why the other pairs were not linked
 
     def rewritten(self, kind: str | None = None) -> list[LayerMatch]:
         return [m for m in self.layers if m.rewritten and (kind is None or m.kind == kind)]
@@ -108,6 +110,10 @@ class MatchReport:
                  f"kimi_dep.attn_res_norm ({counts or 'none'})"]
         for m in self.stock_points():
             lines.append(f"  stock {m.module}: {m.reason}" + (f" [node {m.node}]" if m.node else ""))
+        if self.points_linked or self.link_refusals:
+            lines.append(f"  bank part a point early, on a side stream (CUDA): {self.points_linked} of "
+                         f"{self.points_linked + len(self.link_refusals)} consecutive pairs")
+            lines += [f"  not linked {r}" for r in self.link_refusals]
         return lines
 
     def to_json(self) -> str:

@@ -9,7 +9,10 @@ taken online (a running max and sum), so every source is read once (bank rows UN
 
 ``attn_res_norm_cuda`` (the kimi_dep fused op) adds the RMSNorm that follows an AttnRes point in the
 same launch: the mix is rounded to BF16 as stock's would be, then normalized in FP32, times the
-norm weight, rounded once; the mix itself is not written.
+norm weight, rounded once; the mix itself is not written. It can take the point's bank part ready-made:
+``attn_res_bank_part_cuda`` sums the bank slots the point does not write (their mix, max and sum, FP32)
+any time after their last write, e.g. on a side stream beside the sublayer before the point (ops/attn_res.py);
+the point then reads its prefix and that one row, and merges them (the same online softmax, one step).
 
 Imports Triton at import time: import it only where CUDA (or Triton's CPU interpreter) runs.
 """
@@ -27,6 +30,7 @@ MAX_D = 16384  # the whole row stays in registers: [MAX_D] FP32 per live tensor 
 # rows; 4 rows a load, or two loads ahead, measured slower (4 rows two loads ahead 5x: past the registers).
 # benchmarks/bench_attn_res.py times the variants.
 UNROLL = 2
+PART_EXTRA = 4  # FP32 words after a bank part's mix: its max and sum, then padding (16-byte rows)
 
 
 @triton.jit
@@ -45,13 +49,45 @@ def _bank_rows(bank_ptr, src, num_blocks, write_slot, t, stride_bs, stride_bt, d
 
 
 @triton.jit
-def _attn_res_kernel(prefix_ptr, bank_ptr, delta_ptr, query_ptr, norm_w_ptr, out_ptr,
-                     stride_p, stride_bs, stride_bt, stride_dl, stride_o, num_blocks, write_slot, eps, norm_eps,
-                     D: tl.constexpr, BLOCK_D: tl.constexpr, UNROLL: tl.constexpr, NORM: tl.constexpr):
+def _bank_sources(bank_ptr, t, stride_bs, stride_bt, d, ok, q, eps, num_blocks, write_slot, pf, m, l, acc,
+                  D: tl.constexpr, UNROLL: tl.constexpr, FRESH: tl.constexpr):
+    """The online softmax (running max ``m``, sum ``l``, mix ``acc`` [BLOCK_D]) carried over row ``t``'s first
+    ``num_blocks`` bank slots, UNROLL a load, the next load issued before a step's reductions (2 UNROLL rows in
+    flight). The slot just written (``write_slot``) is the prefix ``pf`` with FRESH, else left out."""
+    j = tl.arange(0, UNROLL)
+    nxt = _bank_rows(bank_ptr, j, num_blocks, write_slot, t, stride_bs, stride_bt, d, ok)
+    for s0 in tl.range(0, num_blocks, UNROLL, num_stages=1):  # no cp.async: the next load is issued by hand
+        src = s0 + j  # [UNROLL] bank slots
+        if FRESH:  # just overwritten by this row's prefix: taken from registers
+            live = src < num_blocks
+            x = tl.where((src == write_slot)[:, None], pf[None, :], nxt.to(tl.float32))  # [UNROLL, BLOCK_D]
+        else:
+            live = (src < num_blocks) & (src != write_slot)
+            x = nxt.to(tl.float32)
+        nxt = _bank_rows(bank_ptr, src + UNROLL, num_blocks, write_slot, t, stride_bs, stride_bt, d, ok)
+        xq, xx = tl.reduce((x * q[None, :], x * x), 1, _add_pairs)  # [UNROLL] each
+        logit = tl.where(live, xq * tl.rsqrt(xx / D + eps), float("-inf"))
+        m_new = tl.maximum(m, tl.max(logit, axis=0))
+        if FRESH:  # the prefix opened the softmax: m_new is finite
+            m_ref = m_new
+        else:  # no source yet: keep the sums at 0 instead of exp(-inf - -inf)
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        keep, w = tl.exp(m - m_ref), tl.exp(logit - m_ref)  # w: [UNROLL], 0 for slots left out
+        acc = acc * keep + tl.sum(w[:, None] * x, axis=0)
+        l = l * keep + tl.sum(w, axis=0)
+        m = m_new
+    return m, l, acc
+
+
+@triton.jit
+def _attn_res_kernel(prefix_ptr, bank_ptr, delta_ptr, query_ptr, norm_w_ptr, part_ptr, out_ptr,
+                     stride_p, stride_bs, stride_bt, stride_dl, stride_pt, stride_o, num_blocks, write_slot, eps,
+                     norm_eps, D: tl.constexpr, BLOCK_D: tl.constexpr, UNROLL: tl.constexpr, NORM: tl.constexpr,
+                     PART: tl.constexpr):
     """Row ``t``: prefix[t] += delta[t]; bank[write_slot, t] = prefix[t]; out[t] = the softmax mix
     (or, with NORM, its RMSNorm times norm_w). prefix/out [T, D], bank [NB, T, D], unit inner strides.
-    Bank rows are read UNROLL at a time (one [UNROLL, BLOCK_D] load into registers), the next load issued before
-    this one's reductions, so 2 UNROLL rows are in flight."""
+    With PART, the bank's slots other than write_slot come as one source already summed (``_bank_part_kernel``'s
+    row of ``part`` [T, D + PART_EXTRA] FP32: their mix, max and sum), and no bank row is read."""
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     ok = d < D
@@ -66,23 +102,21 @@ def _attn_res_kernel(prefix_ptr, bank_ptr, delta_ptr, query_ptr, norm_w_ptr, out
     # the prefix (the last source) opens the online softmax: running max m, sum l, mix acc
     pq, pp = tl.reduce((pf * q, pf * pf), 0, _add_pairs)  # one cross-warp reduction for both sums
     m = pq * tl.rsqrt(pp / D + eps)
-    l = m * 0.0 + 1.0
-    acc = pf
-    j = tl.arange(0, UNROLL)
-    nxt = _bank_rows(bank_ptr, j, num_blocks, write_slot, t, stride_bs, stride_bt, d, ok)
-    for s0 in tl.range(0, num_blocks, UNROLL, num_stages=1):  # no cp.async: the next load is issued by hand
-        src = s0 + j  # [UNROLL] bank slots
-        live = src < num_blocks
-        fresh = src == write_slot  # just overwritten by this row's prefix: taken from registers
-        x = tl.where(fresh[:, None], pf[None, :], nxt.to(tl.float32))  # [UNROLL, BLOCK_D]
-        nxt = _bank_rows(bank_ptr, src + UNROLL, num_blocks, write_slot, t, stride_bs, stride_bt, d, ok)
-        xq, xx = tl.reduce((x * q[None, :], x * x), 1, _add_pairs)  # [UNROLL] each
-        logit = tl.where(live, xq * tl.rsqrt(xx / D + eps), float("-inf"))
-        m_new = tl.maximum(m, tl.max(logit, axis=0))
-        keep, w = tl.exp(m - m_new), tl.exp(logit - m_new)  # w: [UNROLL], 0 past num_blocks
-        acc = acc * keep + tl.sum(w[:, None] * x, axis=0)
-        l = l * keep + tl.sum(w, axis=0)
-        m = m_new
+    if PART:
+        # the slot just written is the prefix again (same logit): counted twice, exactly
+        twice = ((write_slot >= 0) & (write_slot < num_blocks)).to(tl.float32)
+        l = m * 0.0 + 1.0 + twice
+        acc = pf * (1.0 + twice)
+        row = part_ptr + t * stride_pt
+        m_bank, l_bank = tl.load(row + D), tl.load(row + D + 1)  # m_bank = -inf: no bank source
+        m_new = tl.maximum(m, m_bank)
+        keep, w = tl.exp(m - m_new), tl.exp(m_bank - m_new)
+        acc = acc * keep + w * tl.load(row + d, mask=ok, other=0.0)
+        l = l * keep + w * l_bank
+    else:
+        l = m * 0.0 + 1.0
+        m, l, acc = _bank_sources(bank_ptr, t, stride_bs, stride_bt, d, ok, q, eps, num_blocks, write_slot, pf, m, l,
+                                  pf, D, UNROLL, True)
     h = (acc / l).to(out_ptr.dtype.element_ty)
     if NORM:
         hf = h.to(tl.float32)
@@ -91,6 +125,27 @@ def _attn_res_kernel(prefix_ptr, bank_ptr, delta_ptr, query_ptr, norm_w_ptr, out
         tl.store(out_ptr + t * stride_o + d, y.to(out_ptr.dtype.element_ty), mask=ok)
     else:
         tl.store(out_ptr + t * stride_o + d, h, mask=ok)
+
+
+@triton.jit
+def _bank_part_kernel(bank_ptr, query_ptr, part_ptr, stride_bs, stride_bt, stride_pt, num_blocks, write_slot, eps,
+                      D: tl.constexpr, BLOCK_D: tl.constexpr, UNROLL: tl.constexpr):
+    """Row ``t`` of an AttnRes point's bank part, computed before the point: the online softmax over the bank's
+    first ``num_blocks`` slots but ``write_slot`` (the one the point itself writes), stored as part[t] = (mix
+    [D], max, sum) in FP32; max -inf and sum 0 where no slot is a source."""
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    ok = d < D
+    q = tl.load(query_ptr + d, mask=ok, other=0.0).to(tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    m = tl.full([], float("-inf"), tl.float32)
+    l = tl.full([], 0.0, tl.float32)
+    m, l, acc = _bank_sources(bank_ptr, t, stride_bs, stride_bt, d, ok, q, eps, num_blocks, write_slot, acc, m, l,
+                              acc, D, UNROLL, False)
+    row = part_ptr + t * stride_pt
+    tl.store(row + d, acc, mask=ok)
+    tl.store(row + D, m)
+    tl.store(row + D + 1, l)
 
 
 def unsupported(prefix: Tensor, bank: Tensor, delta: Tensor, query: Tensor, num_blocks: int, write_slot: int,
@@ -121,16 +176,17 @@ def launch_shape(D: int) -> tuple[int, int]:
     return BLOCK_D, max(1, min(16, BLOCK_D // 512))
 
 
-def _launch(prefix, bank, delta, query, norm_weight, out, eps, num_blocks, write_slot, norm_eps, unroll):
+def _launch(prefix, bank, delta, query, norm_weight, out, eps, num_blocks, write_slot, norm_eps, unroll, part=None):
     T, D = prefix.shape
     if T == 0:
         return out
     BLOCK_D, num_warps = launch_shape(D)
     _attn_res_kernel[(T,)](
-        prefix, bank, delta, query, norm_weight if norm_weight is not None else query, out,
-        prefix.stride(0), bank.stride(0), bank.stride(1), delta.stride(0), out.stride(0),
-        int(num_blocks), int(write_slot), float(eps), float(norm_eps),
-        D=D, BLOCK_D=BLOCK_D, UNROLL=unroll, NORM=norm_weight is not None,
+        prefix, bank, delta, query, norm_weight if norm_weight is not None else query,
+        part if part is not None else query, out,
+        prefix.stride(0), bank.stride(0), bank.stride(1), delta.stride(0), part.stride(0) if part is not None else 0,
+        out.stride(0), int(num_blocks), int(write_slot), float(eps), float(norm_eps),
+        D=D, BLOCK_D=BLOCK_D, UNROLL=unroll, NORM=norm_weight is not None, PART=part is not None,
         num_warps=num_warps)
     return out
 
@@ -144,7 +200,32 @@ def attn_res_cuda(prefix: Tensor, bank: Tensor, delta: Tensor, query: Tensor, ep
 
 
 def attn_res_norm_cuda(prefix: Tensor, bank: Tensor, delta: Tensor, query: Tensor, norm_weight: Tensor,
-                       eps: float, num_blocks: int, write_slot: int, norm_eps: float, unroll: int = UNROLL) -> Tensor:
-    """AttnRes then RMSNorm(norm_weight, norm_eps) of its BF16-rounded mix, in one launch: [T, D]."""
+                       eps: float, num_blocks: int, write_slot: int, norm_eps: float, unroll: int = UNROLL,
+                       part: Tensor | None = None) -> Tensor:
+    """AttnRes then RMSNorm(norm_weight, norm_eps) of its BF16-rounded mix, in one launch: [T, D]. ``part``: the
+    point's bank part (:func:`attn_res_bank_part_cuda` of the same bank, query, eps, num_blocks and write_slot,
+    computed after the bank's last write): then no bank row is read."""
     out = torch.empty_like(prefix)
-    return _launch(prefix, bank, delta, query, norm_weight, out, eps, num_blocks, write_slot, norm_eps, unroll)
+    return _launch(prefix, bank, delta, query, norm_weight, out, eps, num_blocks, write_slot, norm_eps, unroll, part)
+
+
+def part_unsupported(bank: Tensor, query: Tensor, num_blocks: int, write_slot: int) -> str | None:
+    """Why :func:`attn_res_bank_part_cuda` cannot run this call (None: it can)."""
+    if bank.dim() != 3:
+        return f"bank {tuple(bank.shape)} is not [NB, T, D]"
+    return unsupported(bank[0], bank, bank[0], query, num_blocks, write_slot)
+
+
+def attn_res_bank_part_cuda(bank: Tensor, query: Tensor, eps: float, num_blocks: int, write_slot: int,
+                            unroll: int = UNROLL, out: Tensor | None = None) -> Tensor:
+    """The bank part of an AttnRes point (``reference.attn_res.bank_part_ref``): [T, D + PART_EXTRA] FP32, each row
+    the softmax mix of the bank's first ``num_blocks`` slots but ``write_slot``, then its max and sum. Reads only
+    bank slots the point does not write, so it runs any time after their last write. ``out``: where to write it."""
+    _, T, D = bank.shape
+    part = torch.empty(T, D + PART_EXTRA, dtype=torch.float32, device=bank.device) if out is None else out
+    if T == 0:
+        return part
+    BLOCK_D, num_warps = launch_shape(D)
+    _bank_part_kernel[(T,)](bank, query, part, bank.stride(0), bank.stride(1), part.stride(0), int(num_blocks),
+                            int(write_slot), float(eps), D=D, BLOCK_D=BLOCK_D, UNROLL=unroll, num_warps=num_warps)
+    return part

@@ -28,3 +28,36 @@ def attn_res_ref(
     logits = (rms_norm(sources, None, eps) * query.float()).sum(-1)  # [n, T]
     weights = torch.softmax(logits, 0).unsqueeze(-1)
     return (weights * sources).sum(0).to(prefix.dtype)
+
+
+def bank_part_ref(bank: torch.Tensor, query: torch.Tensor, eps: float, num_blocks: int, write_slot: int) -> torch.Tensor:
+    """The bank part of an AttnRes point: [T, D + 4] FP32, row t = (the softmax mix of bank slots
+    ``0 .. num_blocks - 1`` but ``write_slot``, un-normalized: sum exp(logit - max) * source; max; sum of exp; 0, 0).
+    No slot: mix 0, max -inf, sum 0. With the point's own sources (its prefix, twice where it writes a slot below
+    ``num_blocks``), it gives the point's mix (``merge_part_ref``)."""
+    _, T, D = bank.shape
+    slots = [s for s in range(num_blocks) if s != write_slot]
+    part = torch.zeros(T, D + 4, dtype=torch.float32, device=bank.device)
+    part[:, D] = float("-inf")
+    if slots:
+        sources = bank[slots].float()  # [n, T, D]
+        logits = (rms_norm(sources, None, eps) * query.float()).sum(-1)  # [n, T]
+        m = logits.max(0).values
+        w = torch.exp(logits - m)
+        part[:, :D] = (w.unsqueeze(-1) * sources).sum(0)
+        part[:, D] = m
+        part[:, D + 1] = w.sum(0)
+    return part
+
+
+def merge_part_ref(prefix: torch.Tensor, part: torch.Tensor, query: torch.Tensor, eps: float, num_blocks: int,
+                   write_slot: int) -> torch.Tensor:
+    """The mix of an AttnRes point from its updated ``prefix`` [T, D] and its bank part (``bank_part_ref``): BF16."""
+    D = prefix.shape[-1]
+    p = prefix.float()
+    lp = (rms_norm(p, None, eps) * query.float()).sum(-1)  # [T]
+    n = 2.0 if 0 <= write_slot < num_blocks else 1.0  # the slot it writes is the prefix again
+    m = torch.maximum(lp, part[:, D])
+    kp, kb = torch.exp(lp - m), torch.exp(part[:, D] - m)
+    mix = (n * kp).unsqueeze(-1) * p + kb.unsqueeze(-1) * part[:, :D]
+    return (mix / (n * kp + kb * part[:, D + 1]).unsqueeze(-1)).to(prefix.dtype)
