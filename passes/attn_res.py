@@ -21,21 +21,25 @@ AttnRes points are glue, not layers: the manager runs this pass on every graph, 
 ``kinds`` says, and the report lists its rows apart (``MatchReport.points``).
 
 Then ``link_points`` links each two consecutive fused points of the graph that read one bank with nothing
-between them touching it and share eps: the first computes the second's bank part on a side stream
-(``ops/attn_res.py``), so that part runs beside the sublayer between them. The link changes no value (the op
-checks at run time that the part it takes was computed from its own bank, query and schedule); the report says
-how many pairs were linked and why the others were not.
+between them touching it (through any view), no CUDA-graph partition point between them, and share eps: the first
+computes the second's bank part (on CUDA on a side stream, ``ops/attn_res.py``), so that part runs beside the
+sublayer between them. The bank's contents not changing in between is this check's; the op checks at run time
+only that the part it takes was computed from its own bank, query and schedule (identity, not contents). The
+report says how many pairs were linked and why the others were not.
 """
 
 from __future__ import annotations
 
 import enum
+from typing import Any, Iterable
 
 import torch
+import torch._inductor.config
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .base import Found, LayerPass, PassContext, check_bf16
-from .calls import (NoMatch, base_outputs, is_call, is_functionalized, op_args, op_name, position, require,
-                    single_user, val)
+from .calls import (NoMatch, base_outputs, functionalized_op, is_call, is_functionalized, op_args, op_name, position,
+                    require, single_user, val, written)
 from .functionalized import eager_vals
 from .trees import match_rms_norm
 from .validate import ProbeInputs, ProbeRandom
@@ -142,34 +146,66 @@ class AttnResPass(LayerPass):
         return "kimi_dep.attn_res_norm", {}
 
 
+def _shares_storage(node: Any, ref: Node) -> bool:
+    """``node``'s traced value is a view of ``ref``'s storage (or has no traced tensor value, so it might be)."""
+    v, r = val(node), val(ref)
+    if not isinstance(v, torch.Tensor):
+        return True
+    return StorageWeakRef(v.untyped_storage()) == StorageWeakRef(r.untyped_storage())
 
-def _link_blocker(a: Node, b: Node) -> str | None:
+
+def _partition_point(node: Node, partition_ops: set[str]) -> str | None:
+    """The op at which Inductor's graph partition cuts a CUDA-graphed graph (a custom partition op, or one tagged
+    cudagraph_unsafe), if ``node`` calls one: a fork and its join must be captured in the same graph."""
+    op = functionalized_op(node) or (node.target if node.op == "call_function" else None)
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        names, overloads = {op._qualified_op_name}, [getattr(op, o) for o in op.overloads()]
+    elif isinstance(op, torch._ops.OpOverload):
+        names, overloads = {op.name(), f"{op.name()}.{op._overloadname}"}, [op]
+    else:
+        return None
+    unsafe = getattr(torch.Tag, "cudagraph_unsafe", None)
+    if names & partition_ops or any(unsafe is not None and unsafe in o.tags for o in overloads):
+        return min(names)
+    return None
+
+
+def _link_blocker(a: Node, b: Node, partition_ops: set[str]) -> str | None:
     """Why fused point ``b`` cannot take its bank part from the fused point ``a`` before it (None: it can)."""
     x, y = op_args(a, ATTN_RES_NORM.default), op_args(b, ATTN_RES_NORM.default)
-    if is_functionalized(b):  # post-grad: b's bank must be the bank a returns, which nothing else writes
+    between = [n for n in a.graph.nodes if position(a) < position(n) < position(b)]
+    if is_functionalized(b):  # post-grad: b's bank must be the bank a returns, read by b alone
         bank_index = a.kwargs.get("_bank_base_index")
         out = base_outputs(a).get(bank_index) if isinstance(bank_index, int) else None
         if out is None or y["bank"] is not out:
             return "the second point's bank is not the one the first returns"
-    else:  # Dynamo graph: one bank tensor, written in place; nothing between the two may touch it
+        if set(out.users) != {b}:  # Inductor would then give b a copy: the part's bank would never match
+            return f"the bank the first point returns is also read by {', '.join(u.name for u in out.users if u is not b)}"
+    else:  # Dynamo graph: one bank tensor, written in place; nothing between the two may touch it, through a view
         if y["bank"] is not x["bank"]:
             return "the two points read different banks"
-        between = [u.name for u in x["bank"].users if position(a) < position(u) < position(b)]
-        if between:
-            return f"{', '.join(between)} read or write the bank between them"
-    if float(x["eps"]) != float(y["eps"]):
+        touching = [n.name for n in between if x["bank"] in n.all_input_nodes
+                    or any(_shares_storage(w, x["bank"]) for w in written(n))]
+        if touching:
+            return f"{', '.join(touching)} read or write the bank (or a tensor that may share its memory) between them"
+    cuts = [f"{n.name} ({op})" for n in between if (op := _partition_point(n, partition_ops))]
+    if cuts:
+        return f"a CUDA-graph partition point between them: {', '.join(cuts)}"
+    if float(x["eps"]) != float(y["eps"]):  # the giver computes the part with its own eps
         return f"their eps differ ({x['eps']} and {y['eps']})"
     if not (isinstance(y["query"], Node) and position(y["query"]) < position(a)):
-        return "the second point's query is not a graph input defined before the first point"
+        return "the second point's query is not defined before the first point"
     return None
 
 
-def link_points(graph: torch.fx.Graph) -> tuple[int, list[str]]:
-    """Link consecutive fused points (module docstring): (pairs linked, a line per pair not linked)."""
+def link_points(graph: torch.fx.Graph, partition_ops: Iterable[str] = ()) -> tuple[int, list[str]]:
+    """Link consecutive fused points (module docstring): (pairs linked, a line per pair not linked).
+    ``partition_ops``: op names Inductor's graph partition cuts at besides its own (``custom_should_partition_ops``)."""
     fused = [n for n in graph.nodes if is_call(n, ATTN_RES_NORM.default)]
+    cut = set(partition_ops) | set(torch._inductor.config.custom_should_partition_ops)
     linked, refused = 0, []
     for a, b in zip(fused, fused[1:]):
-        why = _link_blocker(a, b)
+        why = _link_blocker(a, b, cut)
         if why is not None:
             refused.append(f"{a.name} -> {b.name}: {why}")
             continue

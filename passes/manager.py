@@ -85,7 +85,8 @@ class DepPassManager:
                              check="policy")
                   for p in self.glue for found in p.find(gm.graph)]
         ahead = self.options.attn_res_ahead and "attn_res" in self.options.kinds
-        linked, link_refusals = link_points(gm.graph) if ahead else (0, [])
+        partition_ops = self.options.inductor_config.get("custom_should_partition_ops", ())
+        linked, link_refusals = link_points(gm.graph, partition_ops) if ahead else (0, [])
         gm.graph.lint()
         gm.recompile()
         rows.sort(key=lambda m: (m.layer if m.layer is not None else 1 << 30, m.kind == "moe"))

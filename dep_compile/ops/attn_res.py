@@ -1,13 +1,15 @@
 """The fused AttnRes -> RMSNorm op: one AttnRes point and the layer norm that reads its output.
 
-Its bank part off the step's path (CUDA): a point's sources are the bank's slots and its prefix; the slots it does
-not write are final once the point before it ran. So a point given ``next_*`` (the next point's query and
-schedule) and ``part_out = k`` launches that next point's bank part (``attn_res_bank_part_cuda``) on the
-"attn_res" side stream right after its own kernel, and the point given ``part_in = k`` joins that stream and
-merges the part with its prefix instead of reading the bank: the part runs beside the sublayer between the two
-points. The pass links consecutive points of one graph (``passes/attn_res.py``); the part is handed over in
-``_PARTS``, with what it was computed from, which the taker checks before using it (else it reads the bank).
-On the CPU the op is the stock composition and the links are not used.
+Its bank part off the step's path (option ``attn_res_ahead``): a point's sources are the bank's slots and its
+prefix; the slots it does not write are final once the point before it ran. So a point given ``next_*`` (the next
+point's query and schedule) and ``part_out = k`` computes that next point's bank part (the online softmax over
+those slots: mix, max, sum in FP32) right after its own work, on CUDA on the "attn_res" side stream, and the point
+given ``part_in = k`` (joining that stream) merges the part with its prefix instead of reading the bank: the part
+runs beside the sublayer between the two points. The pass links consecutive points of one graph
+(``passes/attn_res.py``); the part is handed over in ``_PARTS`` with the identity of what it was computed from
+(bank, query, eps, schedule), which the taker checks (else it reads the bank, logged); that the bank's contents did
+not change in between is the pass's check. CPU: the same split in torch (``bank_part_ref``, ``merge_part_ref``),
+within one BF16 rounding of the stock composition, which an unlinked point computes exactly.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..stock import ops as stock_ops
-from ..stock.reference.attn_res import attn_res_ref
+from ..stock.reference.attn_res import attn_res_ref, bank_part_ref, merge_part_ref
 from .fallbacks import log_fallback
 from .streams import side_stream
 
@@ -32,22 +34,34 @@ def _part_key(bank: Tensor, query: Tensor, eps: float, num_blocks: int, write_sl
             int(write_slot))
 
 
-def _give(link: int, bank: Tensor, query: Tensor, eps: float, num_blocks: int, write_slot: int) -> None:
-    """Launch the bank part of the point after this one on the side stream, after everything on this stream."""
-    from ..stock.attn_res_cuda import PART_EXTRA, attn_res_bank_part_cuda, part_unsupported  # noqa: PLC0415
+def _join(device: torch.device) -> None:
+    """Make the current stream wait for the AttnRes side stream (CUDA; nothing on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).wait_stream(side_stream(device, "attn_res"))
 
-    why = part_unsupported(bank, query, num_blocks, write_slot)
-    if why is not None:
-        log_fallback("AttnRes", f"bank part: {why}", "the next point's bank rows read by the point itself")
-        _PARTS[(bank.device, link)] = (None, None)
-        return
-    main, side = torch.cuda.current_stream(bank.device), side_stream(bank.device, "attn_res")
-    _, T, D = bank.shape
-    # allocated on this stream, freed on it after the taker, which waits for the side stream's writes
-    part = torch.empty(T, D + PART_EXTRA, dtype=torch.float32, device=bank.device)
-    side.wait_stream(main)  # after this point's bank write (and every earlier use of the part's memory)
-    with torch.cuda.stream(side):
-        attn_res_bank_part_cuda(bank, query, eps, num_blocks, write_slot, out=part)
+
+def _give(link: int, bank: Tensor, query: Tensor, eps: float, num_blocks: int, write_slot: int) -> None:
+    """Compute the bank part of the point after this one (CUDA: on the side stream, after this stream's work)."""
+    if (bank.device, link) in _PARTS:  # its taker never ran (a step that raised): join before the part is freed
+        _join(bank.device)
+        log_fallback("AttnRes", f"bank part {link} was never taken", "a join before it is dropped")
+    if not bank.is_cuda:
+        part = bank_part_ref(bank, query, eps, num_blocks, write_slot)
+    else:
+        from ..stock.attn_res_cuda import PART_EXTRA, attn_res_bank_part_cuda, part_unsupported  # noqa: PLC0415
+
+        why = part_unsupported(bank, query, num_blocks, write_slot)
+        if why is not None:
+            log_fallback("AttnRes", f"bank part: {why}", "the next point's bank rows read by the point itself")
+            _PARTS[(bank.device, link)] = (None, None)
+            return
+        main, side = torch.cuda.current_stream(bank.device), side_stream(bank.device, "attn_res")
+        _, T, D = bank.shape
+        # allocated on this stream, freed on it after the taker, which waits for the side stream's writes
+        part = torch.empty(T, D + PART_EXTRA, dtype=torch.float32, device=bank.device)
+        side.wait_stream(main)  # after this point's bank write (and every earlier use of the part's memory)
+        with torch.cuda.stream(side):
+            attn_res_bank_part_cuda(bank, query, eps, num_blocks, write_slot, out=part)
     _PARTS[(bank.device, link)] = (part, _part_key(bank, query, eps, num_blocks, write_slot))
 
 
@@ -57,7 +71,7 @@ def _take(link: int, bank: Tensor, query: Tensor, eps: float, num_blocks: int, w
     part, key = _PARTS.pop((bank.device, link), (None, None))
     if part is None:
         return None
-    torch.cuda.current_stream(bank.device).wait_stream(side_stream(bank.device, "attn_res"))
+    _join(bank.device)
     if key != _part_key(bank, query, eps, num_blocks, write_slot):
         log_fallback("AttnRes", f"bank part {link} computed from other inputs than this point's", "the bank rows")
         return None
@@ -76,13 +90,14 @@ def attn_res_norm(
     query, norm_weight: [D]. Returns the normalized mix [T, D] BF16 (the mix itself is not kept).
     CUDA: one Triton launch (``stock.attn_res_cuda.attn_res_norm_cuda``); a call it cannot take runs
     the stock op and the norm, logged once. CPU: the stock reference, then stock's RMSNorm.
-    Links (CUDA; module docstring): ``part_in`` >= 0 takes this point's bank part from the point before;
+    Links (module docstring): ``part_in`` >= 0 takes this point's bank part from the point before;
     ``part_out`` >= 0 computes the next point's (``next_query``, ``next_num_blocks``, ``next_write_slot``).
     """
+    part = _take(part_in, bank, query, eps, num_blocks, write_slot) if part_in >= 0 else None
+    y = None
     if prefix.is_cuda:
         from ..stock.attn_res_cuda import attn_res_norm_cuda, unsupported  # noqa: PLC0415 - imports Triton
 
-        part = _take(part_in, bank, query, eps, num_blocks, write_slot) if part_in >= 0 else None
         why = unsupported(prefix, bank, delta, query, num_blocks, write_slot, norm_weight)
         if why is None:
             y = attn_res_norm_cuda(prefix, bank, delta, query, norm_weight, eps, num_blocks, write_slot, norm_eps,
@@ -90,13 +105,18 @@ def attn_res_norm(
         else:
             log_fallback("AttnRes", why, "the stock AttnRes op and RMSNorm")
             h = stock_ops.attn_res(prefix, bank, delta, query, eps, num_blocks, write_slot)
-            y = F.rms_norm(h.float(), (h.shape[-1],), norm_weight.float(), norm_eps).to(h.dtype)
-        if part_out >= 0 and next_query is not None:
-            _give(part_out, bank, next_query, eps, next_num_blocks, next_write_slot)
-        return y
-    h = attn_res_ref(prefix, bank, delta, query, eps, num_blocks, write_slot)
-    # stock's RMSNorm module (dep_compile.stock.layers.RMSNorm), written the same way
-    return F.rms_norm(h.float(), (h.shape[-1],), norm_weight.float(), norm_eps).to(h.dtype)
+    elif part is not None:  # the CUDA kernel's split, in torch
+        prefix.copy_((prefix.float() + delta.float()).to(prefix.dtype))
+        if write_slot >= 0:
+            bank[write_slot].copy_(prefix)
+        h = merge_part_ref(prefix, part, query, eps, num_blocks, write_slot)
+    else:
+        h = attn_res_ref(prefix, bank, delta, query, eps, num_blocks, write_slot)
+    if y is None:  # stock's RMSNorm module (dep_compile.stock.layers.RMSNorm), written the same way
+        y = F.rms_norm(h.float(), (h.shape[-1],), norm_weight.float(), norm_eps).to(h.dtype)
+    if part_out >= 0 and next_query is not None:
+        _give(part_out, bank, next_query, eps, next_num_blocks, next_write_slot)
+    return y
 
 
 @attn_res_norm.register_fake

@@ -211,8 +211,8 @@ def attn_res_norm_cuda(prefix: Tensor, bank: Tensor, delta: Tensor, query: Tenso
 
 def part_unsupported(bank: Tensor, query: Tensor, num_blocks: int, write_slot: int) -> str | None:
     """Why :func:`attn_res_bank_part_cuda` cannot run this call (None: it can)."""
-    if bank.dim() != 3:
-        return f"bank {tuple(bank.shape)} is not [NB, T, D]"
+    if bank.dim() != 3 or bank.shape[0] == 0:
+        return f"bank {tuple(bank.shape)} is not [NB >= 1, T, D]"
     return unsupported(bank[0], bank, bank[0], query, num_blocks, write_slot)
 
 
