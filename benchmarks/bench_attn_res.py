@@ -80,7 +80,7 @@ def nbytes(T: int, num_blocks: int, variant: str) -> int:
 
 
 def with_parts(c: dict, blocks) -> dict:
-    """A copy with the bank part of each ``num_blocks`` in ``blocks`` (``part<nb>``), as the point before computes it."""
+    """A copy with the bank part of each ``num_blocks`` in ``blocks`` (``part<nb>``), as the point before makes it."""
     return {**c, **{f"part{nb}": attn_res_bank_part_cuda(c["bank"], c["query"], EPS, nb, -1) for nb in blocks}}
 
 

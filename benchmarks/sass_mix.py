@@ -10,7 +10,8 @@ runs Triton 3.6: to read its code, install that Triton beside this one and put i
     pip install --no-deps --target /tmp/triton36 triton==3.6.0
     PYTHONPATH=/tmp/triton36:. python3 benchmarks/sass_mix.py attn_res experts_gemm1
 
-Kernels (K3 shapes): ``attn_res`` (the fused AttnRes -> RMSNorm reading its bank rows, 16 warps), ``experts_gemm1`` (the MXFP4 routed
+Kernels (K3 shapes): ``attn_res`` (the fused AttnRes -> RMSNorm reading its bank rows, 16 warps), ``attn_res_part``
+(its bank rows' part computed a point early, option attn_res_ahead), ``experts_gemm1`` (the MXFP4 routed
 experts' gate / up GEMM on tiles, default tactic, 32-row passes).
 """
 
@@ -86,6 +87,17 @@ def attn_res():
                         num_warps=num_warps)
 
 
+def attn_res_part():
+    """The AttnRes bank part (option attn_res_ahead: the next point's bank rows, off the step's path) at K3's size."""
+    from dep_compile.stock import attn_res_cuda as A  # noqa: PLC0415
+
+    D = PRESETS["k3"].hidden_size
+    block_d, num_warps = A.launch_shape(D)
+    sig = dict(bank_ptr="*bf16", query_ptr="*bf16", part_ptr="*fp32", stride_bs="i32", stride_bt="i32",
+               stride_pt="i32", num_blocks="i32", write_slot="i32", eps="fp32")
+    return compile_sm90(A._attn_res_part_kernel, sig, dict(D=D, BLOCK_D=block_d, UNROLL=A.UNROLL), num_warps=num_warps)
+
+
 def experts_gemm1():
     """The MXFP4 routed experts' GEMM1 on tiles at K3's shapes, the default tactic, 64 tokens (32-row passes)."""
     from dep_compile.ops import experts_triton as X  # noqa: PLC0415
@@ -105,7 +117,7 @@ def experts_gemm1():
                         maxnreg=t.maxnreg)
 
 
-KERNELS = {"attn_res": attn_res, "experts_gemm1": experts_gemm1}
+KERNELS = {"attn_res": attn_res, "attn_res_part": attn_res_part, "experts_gemm1": experts_gemm1}
 
 
 def main() -> None:

@@ -180,7 +180,8 @@ def _link_blocker(a: Node, b: Node, partition_ops: set[str]) -> str | None:
         if out is None or y["bank"] is not out:
             return "the second point's bank is not the one the first returns"
         if set(out.users) != {b}:  # Inductor would then give b a copy: the part's bank would never match
-            return f"the bank the first point returns is also read by {', '.join(u.name for u in out.users if u is not b)}"
+            others = ", ".join(u.name for u in out.users if u is not b)
+            return f"the bank the first point returns is also read by {others}"
     else:  # Dynamo graph: one bank tensor, written in place; nothing between the two may touch it, through a view
         if y["bank"] is not x["bank"]:
             return "the two points read different banks"

@@ -21,10 +21,12 @@ def _loop_with(kernel: str, opcode: str):
     return mixes[0]
 
 
-def test_attn_res_loop_prefetches_into_registers_and_reduces_once():
+@pytest.mark.parametrize("kernel", ["attn_res", "attn_res_part"])
+def test_attn_res_loops_prefetch_into_registers_and_reduce_once(kernel):
     """A step loads its next two bank rows straight into registers (4 x 16 bytes a thread, no cp.async through
-    shared memory), and a source's two sums cross the warps in one reduction (3 barriers a step, not 6)."""
-    mix = _loop_with("attn_res", "SHFL.BFLY")
+    shared memory), and a source's two sums cross the warps in one reduction (3 barriers a step, not 6): in the
+    point reading its bank and in the bank part computed a point early (the same loop, ``_bank_sources``)."""
+    mix = _loop_with(kernel, "SHFL.BFLY")
     assert mix["LDG.E.128"] == 4 and not any(op.startswith("LDGSTS") for op in mix), mix
     assert mix["BAR.SYNC.DEFER_BLOCKING"] <= 3, mix
 

@@ -30,7 +30,8 @@ def attn_res_ref(
     return (weights * sources).sum(0).to(prefix.dtype)
 
 
-def bank_part_ref(bank: torch.Tensor, query: torch.Tensor, eps: float, num_blocks: int, write_slot: int) -> torch.Tensor:
+def bank_part_ref(bank: torch.Tensor, query: torch.Tensor, eps: float, num_blocks: int,
+                  write_slot: int) -> torch.Tensor:
     """The bank part of an AttnRes point: [T, D + 4] FP32, row t = (the softmax mix of bank slots
     ``0 .. num_blocks - 1`` but ``write_slot``, un-normalized: sum exp(logit - max) * source; max; sum of exp; 0, 0).
     No slot: mix 0, max -inf, sum 0. With the point's own sources (its prefix, twice where it writes a slot below
