@@ -173,7 +173,11 @@ def _partition_point(node: Node, partition_ops: set[str]) -> str | None:
 def _link_blocker(a: Node, b: Node, partition_ops: set[str]) -> str | None:
     """Why fused point ``b`` cannot take its bank part from the fused point ``a`` before it (None: it can)."""
     x, y = op_args(a, ATTN_RES_NORM.default), op_args(b, ATTN_RES_NORM.default)
-    between = [n for n in a.graph.nodes if position(a) < position(n) < position(b)]
+    between = []  # the nodes after a, up to b (walking the graph's list: a scan of it per pair is quadratic)
+    n = a.next
+    while n is not b:
+        between.append(n)
+        n = n.next
     if is_functionalized(b):  # post-grad: b's bank must be the bank a returns, read by b alone
         bank_index = a.kwargs.get("_bank_base_index")
         out = base_outputs(a).get(bank_index) if isinstance(bank_index, int) else None

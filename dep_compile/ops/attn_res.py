@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..stock import ops as stock_ops
-from ..stock.reference.attn_res import attn_res_ref, bank_part_ref, merge_part_ref
+from ..stock.reference.attn_res import advance_prefix_ref, attn_res_ref, bank_part_ref, empty_bank_part, merge_part_ref
 from .fallbacks import log_fallback
 from .streams import side_stream
 
@@ -48,7 +48,7 @@ def _give(link: int, bank: Tensor, query: Tensor, eps: float, num_blocks: int, w
     if not bank.is_cuda:
         part = bank_part_ref(bank, query, eps, num_blocks, write_slot)
     else:
-        from ..stock.attn_res_cuda import PART_EXTRA, attn_res_bank_part_cuda, part_unsupported  # noqa: PLC0415
+        from ..stock.attn_res_cuda import attn_res_bank_part_cuda, part_unsupported  # noqa: PLC0415
 
         why = part_unsupported(bank, query, num_blocks, write_slot)
         if why is not None:
@@ -56,9 +56,7 @@ def _give(link: int, bank: Tensor, query: Tensor, eps: float, num_blocks: int, w
             _PARTS[(bank.device, link)] = (None, None)
             return
         main, side = torch.cuda.current_stream(bank.device), side_stream(bank.device, "attn_res")
-        _, T, D = bank.shape
-        # allocated on this stream, freed on it after the taker, which waits for the side stream's writes
-        part = torch.empty(T, D + PART_EXTRA, dtype=torch.float32, device=bank.device)
+        part = empty_bank_part(bank)  # on this stream: freed on it after the taker, which waits for the side stream
         side.wait_stream(main)  # after this point's bank write (and every earlier use of the part's memory)
         with torch.cuda.stream(side):
             attn_res_bank_part_cuda(bank, query, eps, num_blocks, write_slot, out=part)
@@ -106,9 +104,7 @@ def attn_res_norm(
             log_fallback("AttnRes", why, "the stock AttnRes op and RMSNorm")
             h = stock_ops.attn_res(prefix, bank, delta, query, eps, num_blocks, write_slot)
     elif part is not None:  # the CUDA kernel's split, in torch
-        prefix.copy_((prefix.float() + delta.float()).to(prefix.dtype))
-        if write_slot >= 0:
-            bank[write_slot].copy_(prefix)
+        advance_prefix_ref(prefix, bank, delta, write_slot)
         h = merge_part_ref(prefix, part, query, eps, num_blocks, write_slot)
     else:
         h = attn_res_ref(prefix, bank, delta, query, eps, num_blocks, write_slot)

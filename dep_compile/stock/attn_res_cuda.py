@@ -24,13 +24,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .reference.attn_res import PART_EXTRA, empty_bank_part  # noqa: F401  (PART_EXTRA: the part's layout, re-exported)
+
 MAX_D = 16384  # the whole row stays in registers: [MAX_D] FP32 per live tensor (K3: 7168)
 # Bank rows per load; the next load is issued into registers before a step's reductions. Measured on the H200
 # (docs/perf.md, 2026-12-04): 9-15 % faster than a 3-stage cp.async pipeline through shared memory at 4-16 bank
 # rows; 4 rows a load, or two loads ahead, measured slower (4 rows two loads ahead 5x: past the registers).
 # benchmarks/bench_attn_res.py times the variants.
 UNROLL = 2
-PART_EXTRA = 4  # FP32 words after a bank part's mix: its max and sum, then padding (16-byte rows)
 
 
 @triton.jit
@@ -222,7 +223,7 @@ def attn_res_bank_part_cuda(bank: Tensor, query: Tensor, eps: float, num_blocks:
     the softmax mix of the bank's first ``num_blocks`` slots but ``write_slot``, then its max and sum. Reads only
     bank slots the point does not write, so it runs any time after their last write. ``out``: where to write it."""
     _, T, D = bank.shape
-    part = torch.empty(T, D + PART_EXTRA, dtype=torch.float32, device=bank.device) if out is None else out
+    part = empty_bank_part(bank) if out is None else out
     if T == 0:
         return part
     BLOCK_D, num_warps = launch_shape(D)

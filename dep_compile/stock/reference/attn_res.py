@@ -7,6 +7,22 @@ import torch
 from .common import rms_norm
 
 
+PART_EXTRA = 4  # FP32 words after a bank part's mix: its max and sum, then padding (16-byte rows)
+
+
+def advance_prefix_ref(prefix: torch.Tensor, bank: torch.Tensor, delta: torch.Tensor, write_slot: int) -> None:
+    """Steps 1-2 of an AttnRes point: prefix += delta, rounded to its dtype in place; bank[write_slot] = prefix."""
+    prefix.copy_((prefix.float() + delta.float()).to(prefix.dtype))
+    if write_slot >= 0:
+        bank[write_slot].copy_(prefix)
+
+
+def empty_bank_part(bank: torch.Tensor) -> torch.Tensor:
+    """An uninitialized bank part for ``bank`` [NB, T, D]: [T, D + PART_EXTRA] FP32 on its device."""
+    _, T, D = bank.shape
+    return torch.empty(T, D + PART_EXTRA, dtype=torch.float32, device=bank.device)
+
+
 def attn_res_ref(
     prefix: torch.Tensor, bank: torch.Tensor, delta: torch.Tensor, query: torch.Tensor,
     eps: float, num_blocks: int, write_slot: int,
@@ -21,9 +37,7 @@ def attn_res_ref(
     3. sources = bank[:num_blocks] + [prefix]; logits = RMSNorm(source) . query (FP32);
        returns sum softmax(logits) * source (un-normalized sources), BF16 [T, D].
     """
-    prefix.copy_((prefix.float() + delta.float()).to(prefix.dtype))
-    if write_slot >= 0:
-        bank[write_slot].copy_(prefix)
+    advance_prefix_ref(prefix, bank, delta, write_slot)
     sources = torch.cat([bank[:num_blocks], prefix.unsqueeze(0)], 0).float()  # [n, T, D]
     logits = (rms_norm(sources, None, eps) * query.float()).sum(-1)  # [n, T]
     weights = torch.softmax(logits, 0).unsqueeze(-1)
@@ -32,13 +46,13 @@ def attn_res_ref(
 
 def bank_part_ref(bank: torch.Tensor, query: torch.Tensor, eps: float, num_blocks: int,
                   write_slot: int) -> torch.Tensor:
-    """The bank part of an AttnRes point: [T, D + 4] FP32, row t = (the softmax mix of bank slots
+    """The bank part of an AttnRes point: [T, D + PART_EXTRA] FP32, row t = (the softmax mix of bank slots
     ``0 .. num_blocks - 1`` but ``write_slot``, un-normalized: sum exp(logit - max) * source; max; sum of exp; 0, 0).
     No slot: mix 0, max -inf, sum 0. With the point's own sources (its prefix, twice where it writes a slot below
     ``num_blocks``), it gives the point's mix (``merge_part_ref``)."""
-    _, T, D = bank.shape
+    D = bank.shape[-1]
     slots = [s for s in range(num_blocks) if s != write_slot]
-    part = torch.zeros(T, D + 4, dtype=torch.float32, device=bank.device)
+    part = empty_bank_part(bank).zero_()
     part[:, D] = float("-inf")
     if slots:
         sources = bank[slots].float()  # [n, T, D]
