@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from dep_compile.stock import ops as _stock_ops  # noqa: F401 - registers the kimi_k3 op named below
+
 from .calls import bind, dtype_of, is_call, last_dim, op_args, op_name, require, val
 
 Node = fx.Node
@@ -120,7 +122,9 @@ def transposed(node: Any) -> Node | None:
         dims = args[0] if len(args) == 1 and isinstance(args[0], (list, tuple)) else args
         dims = dims or node.kwargs.get("dims", ())
         return node.args[0] if [int(d) % 2 for d in dims] == [1, 0] else None
-    if name == "getattr" and node.args[1] in ("T", "mT"):
+    if name == "getattr" and node.args[1] in ("T", "mT"):  # torch <= 2.13 traces ``w.T`` as the attribute
+        return node.args[0]
+    if name in ("numpy_T", "mT"):  # torch 2.14 traces it as the attribute's aten op
         return node.args[0]
     return None
 
