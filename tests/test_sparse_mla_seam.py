@@ -83,6 +83,7 @@ def _cache(block_size=BS, dtype=torch.bfloat16, dims=(L, R)):
 
 def test_reasons_without_flashinfer(monkeypatch):
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # import fails
+    monkeypatch.setitem(sys.modules, "flashinfer.mla", None)  # also where an earlier import (vLLM's) left it loaded
     why = sm.flashinfer_unsupported(_cache(), heads=H, kv_lora=L, nope=NOPE, capability=(10, 0))
     assert why.startswith("flashinfer does not import"), why
 

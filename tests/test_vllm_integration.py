@@ -135,6 +135,25 @@ def test_pack_model_weights_packs_fp8_codes_and_scales():
                else torch.equal(v, after[k]) for k, v in before.items())
 
 
+def test_k3_model_turns_cuda_graphs_off_or_refuses_them():
+    """vLLM's default captures a GPU engine's steps in CUDA graphs, which would replay the K3 model's capture-time
+    step groups: its engine hook sets cudagraph_mode NONE where unset (before vLLM's default, which leaves a set
+    mode alone) and refuses an explicit mode that captures graphs, naming it."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    from dep_compile.integrations.vllm_k3.config import cuda_graphs_off
+
+    cc = CompilationConfig()
+    assert cc.cudagraph_mode is None  # what the hook sees: vLLM fills its default in after the hook
+    cuda_graphs_off(cc)
+    assert cc.cudagraph_mode == CUDAGraphMode.NONE
+    cuda_graphs_off(cc)  # asked for NONE: kept
+    assert cc.cudagraph_mode == CUDAGraphMode.NONE
+    for mode in (CUDAGraphMode.FULL_AND_PIECEWISE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL_DECODE_ONLY):
+        with pytest.raises(ValueError, match=f"cudagraph_mode = {mode.name}"):
+            cuda_graphs_off(CompilationConfig(cudagraph_mode=mode))
+
+
 def test_step_groups_decode_unpadded_prefill_bounded():
     """vLLM's ragged step as uniform groups (``vllm_k3.layout``): decode requests together at q = 1 with no padding,
     prefill chunks largest first with padding below their tokens; every token lands once, at its cache slot

@@ -44,6 +44,28 @@ def ep_size(parallel_config, num_experts: int) -> int:
     return dp
 
 
+def cuda_graphs_off(compilation_config) -> None:
+    """Turn vLLM's CUDA graphs off for this model (its default on a GPU captures them), or raise where they were
+    asked for explicitly.
+
+    The forward runs the compiled decoder once per step group, on group tensors the builder makes afresh each step
+    (``layout.py``); a captured step would replay the capture's groups and addresses, not the step's: wrong tokens,
+    silently. Until the builder writes into persistent buffers (docs/vllm.md, "On a GPU"), the model runs without
+    them. The hook runs before vLLM applies its optimization level's default, which leaves a set mode alone.
+    """
+    from vllm.config.compilation import CUDAGraphMode  # noqa: PLC0415 - only where vLLM calls the hook
+
+    mode = compilation_config.cudagraph_mode
+    if mode is None:
+        compilation_config.cudagraph_mode = CUDAGraphMode.NONE
+        log.info("dep_compile K3: CUDA graphs off (cudagraph_mode NONE): the model's step groups are new tensors "
+                 "each step, which a graph replay would not read")
+    elif mode != CUDAGraphMode.NONE:
+        raise ValueError(f"the dep_compile K3 model cannot run in CUDA graphs yet (its step groups are new tensors "
+                         f"each step, which a replay would not read); got cudagraph_mode = {mode.name}: leave it "
+                         f"unset or set it to NONE")
+
+
 class DepKimiK3EngineConfig:
     """vLLM's per-architecture hook (``MODELS_CONFIG_MAP``): the engine settings the model relies on.
 
@@ -57,11 +79,13 @@ class DepKimiK3EngineConfig:
       own MXFP4 experts and FP8 linears, so vLLM must not make a quant method (compressed-tensors) that the
       model's own modules would ignore.
     - The parallel layout is checked (``ep_size``) before any worker starts.
+    - CUDA graphs are off (``cuda_graphs_off``).
     """
 
     @staticmethod
     def verify_and_update_config(vllm_config) -> None:
         ep_size(vllm_config.parallel_config, vllm_config.model_config.hf_text_config.num_experts)
+        cuda_graphs_off(vllm_config.compilation_config)
         sched, cache = vllm_config.scheduler_config, vllm_config.cache_config
         cache.enable_prefix_caching = False
         if cache.num_gpu_blocks_override is None:
@@ -83,4 +107,4 @@ class DepKimiK3EngineConfig:
         arch.quantization_config = None
 
 
-__all__ = ["DepKimiK3EngineConfig", "ep_size", "step_sizes"]
+__all__ = ["DepKimiK3EngineConfig", "cuda_graphs_off", "ep_size", "step_sizes"]
