@@ -122,11 +122,8 @@ def transposed(node: Any) -> Node | None:
         dims = args[0] if len(args) == 1 and isinstance(args[0], (list, tuple)) else args
         dims = dims or node.kwargs.get("dims", ())
         return node.args[0] if [int(d) % 2 for d in dims] == [1, 0] else None
-    if name == "getattr" and node.args[1] in ("T", "mT"):  # torch <= 2.13 traces ``w.T`` as the attribute
-        return node.args[0]
-    if name in ("numpy_T", "mT"):  # torch 2.14 traces it as the attribute's aten op
-        return node.args[0]
-    return None
+    attribute = name == "getattr" and node.args[1] in ("T", "mT")  # torch <= 2.13 traces ``w.T`` as the attribute
+    return node.args[0] if attribute or name in ("numpy_T", "mT") else None  # torch 2.14: the attribute's aten op
 
 
 _EINSUM_2D = re.compile(r"^([a-z])([a-z]),([a-z])\2->\1\3$")

@@ -108,7 +108,7 @@ def compare_steps(cfg, model, fn, *, steps=8, batch=3, q=1, pooled=False, dynami
     ref_cache = cache.clone()
     g = torch.Generator().manual_seed(3)
     logits_err = 0.0
-    outs, refs = [], []
+    outs, refs, worst = [], [], {}
     sizes = batches or [batch] * steps
     req = {b: (RequestBatch(cache, b, start_len=start_len, seed=b, padding=padding),
                RequestBatch(ref_cache, b, start_len=start_len, seed=b, padding=padding)) for b in set(sizes)}
@@ -129,7 +129,7 @@ def compare_steps(cfg, model, fn, *, steps=8, batch=3, q=1, pooled=False, dynami
             refs.append(ref.flatten())
             if forced:
                 step_errs = cache_differences(cache.snapshot(), ref_cache.snapshot(), fp8_scale=STATE_ATOL / FP8_REL)
-                worst = {k: max(v, worst.get(k, 0.0)) for k, v in step_errs.items()} if i else step_errs
+                worst = {k: max(v, worst.get(k, 0.0)) for k, v in step_errs.items()}
                 for lc, rc in zip(cache.layers, ref_cache.layers):
                     for name, t in lc.tensors().items():
                         t.copy_(getattr(rc, name))
