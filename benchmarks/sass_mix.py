@@ -74,8 +74,9 @@ def loops(listing: str) -> list[collections.Counter]:
     return found
 
 
-def attn_res():
-    """The fused AttnRes -> RMSNorm kernel at K3's hidden size."""
+def attn_res(part: bool = False, **ones):
+    """The fused AttnRes -> RMSNorm kernel at K3's hidden size (``part``: the point merging its bank part; ``ones``:
+    integer arguments given as 1, which a launch specializes to constants)."""
     from dep_compile.stock import attn_res_cuda as A  # noqa: PLC0415
 
     D = PRESETS["k3"].hidden_size
@@ -83,8 +84,9 @@ def attn_res():
     sig = dict(prefix_ptr="*bf16", bank_ptr="*bf16", delta_ptr="*bf16", query_ptr="*bf16", norm_w_ptr="*bf16",
                part_ptr="*fp32", out_ptr="*bf16", stride_p="i32", stride_bs="i32", stride_bt="i32", stride_dl="i32",
                stride_pt="i32", stride_o="i32", num_blocks="i32", write_slot="i32", eps="fp32", norm_eps="fp32")
-    return compile_sm90(A._attn_res_kernel, sig, dict(D=D, BLOCK_D=block_d, UNROLL=A.UNROLL, NORM=True, PART=False),
-                        num_warps=num_warps)
+    sig = {n: t for n, t in sig.items() if n not in ones}
+    return compile_sm90(A._attn_res_kernel, sig, dict(D=D, BLOCK_D=block_d, UNROLL=A.UNROLL, NORM=True, PART=part,
+                                                     **ones), num_warps=num_warps)
 
 
 def attn_res_part():

@@ -411,8 +411,9 @@ def _run_part_case(T, D, NB, num_blocks, write_slot, seed, unroll):
     covered = [s for s in range(num_blocks) if s != write_slot]
     b_k[covered] = 99.0
     b_ref[covered] = 99.0
-    got_n = k.attn_res_norm_cuda(p_k, b_k, dev["deltas"][0], dev["query"], dev["norm_w"], EPS, num_blocks, write_slot,
-                                 NORM_EPS, unroll=unroll, part=part)
+    delta = x["deltas"][0].to(TRITON_DEV)  # (a list: not moved with the tensors above)
+    got_n = k.attn_res_norm_cuda(p_k, b_k, delta, dev["query"], dev["norm_w"], EPS, num_blocks, write_slot, NORM_EPS,
+                                 unroll=unroll, part=part)
     assert torch.equal(p_k.cpu(), p_ref) and torch.equal(b_k.cpu(), b_ref)
     _check_normed(got_n, ref_n)
 

@@ -37,3 +37,12 @@ def test_experts_gemm1_dequantizer_instruction_count():
     mix = _loop_with("experts_gemm1", "HGMMA.64x32x16.F32.BF16")
     placing = mix["LOP3.LUT"] + mix["SHF.L.W.U32.HI"]
     assert mix["HMUL2.BF16_V2"] == 64 and placing <= 12 * 16, (placing, mix)
+
+
+@pytest.mark.parametrize("part", [False, True], ids=["bank", "part"])
+@pytest.mark.parametrize("ones", [("num_blocks",), ("write_slot",), ("num_blocks", "write_slot")], ids=str)
+def test_attn_res_point_compiles_where_the_launch_specializes_ones(part, ones):
+    """A launch makes integer arguments equal to 1 compile-time constants: the point kernel compiles with
+    ``num_blocks`` and / or ``write_slot`` 1 (the merging point once failed there, on the H200: a condition of two
+    constants is a Python bool)."""
+    assert sass_mix.attn_res(part, **dict.fromkeys(ones, 1)).asm["cubin"]

@@ -105,7 +105,8 @@ def _attn_res_kernel(prefix_ptr, bank_ptr, delta_ptr, query_ptr, norm_w_ptr, par
     m = pq * tl.rsqrt(pp / D + eps)
     if PART:
         # the slot just written is the prefix again (same logit): counted twice, exactly
-        twice = ((write_slot >= 0) & (write_slot < num_blocks)).to(tl.float32)
+        # (a tensor even where the launch specialized write_slot and num_blocks to 1: a Python bool has no .to)
+        twice = tl.full([], 1.0, tl.float32) * ((write_slot >= 0) & (write_slot < num_blocks))
         l = m * 0.0 + 1.0 + twice
         acc = pf * (1.0 + twice)
         row = part_ptr + t * stride_pt
