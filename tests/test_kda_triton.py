@@ -8,8 +8,7 @@ reference ``kda_core_ref`` run in FP32 on the CPU on copies of the same inputs.
 
 Sizes: full Kimi K3 (H=96, D=128, F=128) and a small one (H=4, D=32, F=32); B in {1, 4, 16};
 q_len in {1, 2, 4} with ``accepted < q_len`` for some requests; one padding request
-(state index -1) when B > 1. Verify steps run in both forms of the delta rule (``chunk``: token by token,
-or the chunk form's two MMAs over the state).
+(state index -1) when B > 1.
 
 Tolerances (the kernel differs from the reference only in FP32 summation order, fast
 exp/rsqrt, and the BF16 roundings this can flip by one ulp: g_raw, the conv outputs, the
@@ -125,23 +124,21 @@ if _DEV == "cpu":
     CASES = [(size, B, q) for (size, B, q) in CASES if size == "small"]
 
 
-@pytest.mark.parametrize("chunk", [False, True], ids=["tokens", "chunk"])
 @pytest.mark.parametrize("size,B,q_len", CASES, ids=lambda x: str(x))
-def test_kda_decode_core_matches_reference(size, B, q_len, chunk):
+def test_kda_decode_core_matches_reference(size, B, q_len):
     kt = _kt()
     H, D, Fr = SIZES[size]
     for seed in (0, 1):
         c = make_case(H, D, Fr, B, q_len, seed=1000 * B + 10 * q_len + seed + (0 if size == "full" else 7),
                       device=_DEV)
         ref = reference(c, q_len)
-        out = run_kernel(kt, c, q_len, chunk=chunk)
+        out = run_kernel(kt, c, q_len)
         errs = check(c, q_len, out, ref)
         print(size, B, q_len, seed, errs)
 
 
-@pytest.mark.parametrize("chunk", [False, True], ids=["tokens", "chunk"])
 @pytest.mark.parametrize("q_len", [1, 3, 8])
-def test_kda_decode_core_several_steps(q_len, chunk):
+def test_kda_decode_core_several_steps(q_len):
     """Three consecutive steps on the same states (state and conv taps carried between steps)."""
     kt = _kt()
     H, D, Fr = SIZES["small"]
@@ -149,15 +146,14 @@ def test_kda_decode_core_several_steps(q_len, chunk):
     ref_state = {n: x.detach().cpu().clone() for n, x in c.items()}
     for step in range(3):
         ref = reference({**ref_state, "packed": c["packed"].cpu()}, q_len)
-        out = run_kernel(kt, c, q_len, chunk=chunk)
+        out = run_kernel(kt, c, q_len)
         check(c, q_len, out, ref)
         ref_state["conv_pool"], ref_state["rec_pool"] = ref[1], ref[2]
         c["packed"].copy_(torch.randn(c["packed"].shape).to(torch.bfloat16).to(c["packed"].device))
 
 
-@pytest.mark.parametrize("chunk", [False, True], ids=["tokens", "chunk"])
 @pytest.mark.parametrize("q_len", [1, 2])
-def test_kda_decode_core_zero_accepted_keeps_states(q_len, chunk):
+def test_kda_decode_core_zero_accepted_keeps_states(q_len):
     """A request with accepted = 0 commits no token: its conv taps and recurrent state stay as they
     were (as the reference), while the other requests commit as usual."""
     kt = _kt()
@@ -167,20 +163,19 @@ def test_kda_decode_core_zero_accepted_keeps_states(q_len, chunk):
     slot = int(c["state_indices"][0])
     conv0, rec0 = c["conv_state"][slot].clone(), c["rec_state"][slot].clone()
     ref = reference(c, q_len)
-    check(c, q_len, run_kernel(kt, c, q_len, chunk=chunk), ref)
+    check(c, q_len, run_kernel(kt, c, q_len), ref)
     assert torch.equal(c["conv_state"][slot], conv0) and torch.equal(c["rec_state"][slot], rec0)
 
 
-@pytest.mark.parametrize("chunk", [False, True], ids=["tokens", "chunk"])
 @pytest.mark.parametrize("w", [2, 3, 8])
 @pytest.mark.parametrize("q_len", [1, 3])
-def test_kda_decode_core_conv_widths(w, q_len, chunk):
+def test_kda_decode_core_conv_widths(w, q_len):
     """Conv widths other than K3's 4 (the tap tile is padded to a power of two): as the reference."""
     kt = _kt()
     H, D, Fr = SIZES["small"]
     c = make_case(H, D, Fr, 5, q_len, seed=60 + w + q_len, device=_DEV, W=w)
     ref = reference(c, q_len)
-    check(c, q_len, run_kernel(kt, c, q_len, chunk=chunk), ref)
+    check(c, q_len, run_kernel(kt, c, q_len), ref)
 
 
 @pytest.mark.skipif(_DEV == "cpu", reason="routing needs CUDA tensors")
@@ -211,14 +206,13 @@ def test_prepared_kda_core_routes_to_kernel_and_falls_back(caplog):
 
 
 @pytest.mark.skipif(_DEV == "cpu", reason="CUDA graphs")
-@pytest.mark.parametrize("chunk", [False, True], ids=["tokens", "chunk"])
-def test_kda_decode_core_graph_capture(chunk):
+def test_kda_decode_core_graph_capture():
     """Captured in a CUDA graph and replayed: same result as an eager launch on the same inputs."""
     kt = _kt()
     H, D, Fr = SIZES["full"]
     c = make_case(H, D, Fr, 4, 2, seed=11, device=_DEV)
     conv0, rec0 = c["conv_pool"].clone(), c["rec_pool"].clone()
-    eager = run_kernel(kt, c, 2, chunk=chunk)
+    eager = run_kernel(kt, c, 2)
     conv1, rec1 = c["conv_pool"].clone(), c["rec_pool"].clone()
     c["conv_pool"].copy_(conv0)
     c["rec_pool"].copy_(rec0)
@@ -230,7 +224,7 @@ def test_kda_decode_core_graph_capture(chunk):
         with torch.cuda.graph(graph):
             kt.kda_decode_core(c["q"], c["k"], c["v"], c["f_a"], c["f_b_w"], c["beta"], c["g_out"], c["conv_w"],
                                c["A_log"], c["dt_bias"], c["o_norm_w"], c["conv_state"], c["rec_state"],
-                               c["state_indices"], c["accepted"], 2, LOWER_BOUND, NORM_EPS, out=out, chunk=chunk)
+                               c["state_indices"], c["accepted"], 2, LOWER_BOUND, NORM_EPS, out=out)
     torch.cuda.current_stream().wait_stream(s)
     c["conv_pool"].copy_(conv0)
     c["rec_pool"].copy_(rec0)
@@ -240,8 +234,7 @@ def test_kda_decode_core_graph_capture(chunk):
     assert torch.equal(c["conv_pool"], conv1) and torch.equal(c["rec_pool"], rec1)
 
 
-@pytest.mark.parametrize("kw", [dict(num_warps=16), dict(fb=64), dict(fb=16), dict(chunk=True),
-                                dict(chunk=True, num_warps=8)], ids=str)
+@pytest.mark.parametrize("kw", [dict(num_warps=16), dict(fb=64), dict(fb=16)], ids=str)
 @pytest.mark.parametrize("size,B,q_len", [("full", 4, 1), ("full", 16, 2), ("small", 16, 4), ("small_f128", 5, 1)],
                          ids=str)
 def test_kda_decode_core_tuning_knobs(size, B, q_len, kw):

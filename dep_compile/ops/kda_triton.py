@@ -19,12 +19,6 @@ size) held in registers:
 5. the gated RMSNorm of the head's whole ``o`` (eps ``norm_eps``), times ``o_norm_w``, times
    ``sigmoid(g_out)``, stored as BF16.
 
-Verify steps (``q_len > 1``) can instead run step 4 in chunk form (``chunk=True``,
-``_kda_verify_chunk_kernel``): every token's prediction and output read the stored state alone, as
-one MMA over it (3xTF32 on CUDA), a small triangular solve over the tokens gives their updates, and
-the committed state is a second MMA; the state is read once and stored once, without the four
-passes a token of the loop above. Not yet timed on the H200, so off by default.
-
 Rows of the delta rule are independent in ``v``; the gated RMSNorm is not (it needs the head's
 whole ``o``), which is why one program owns a whole head. Padding requests
 (``state_indices[b] < 0``) load and store no state and write zeros to their outputs.
@@ -135,22 +129,6 @@ def _gates(fa_ptr, stride_fa, beta_ptr, stride_beta, tok, h, fbw_ptr, stride_fbw
 
 
 @triton.jit
-def _token(cs_base, stride_cs_w, q_ptr, k_ptr, v_ptr, stride_q, stride_k, stride_v, tok0, t, ch, ok, cw_q, cw_k,
-           cw_v, HD: tl.constexpr, D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
-    """Token ``t`` of the request: its three conv windows ([WP, D] each, for the committed taps) and its conv +
-    SiLU outputs after the L2 norms (q times ``D^-1/2``): (win_q, win_k, win_v, qn, kn, vc), FP32."""
-    win_q = _window(cs_base, stride_cs_w, q_ptr, stride_q, tok0, t, ch, ok, W, WP)
-    win_k = _window(cs_base + HD, stride_cs_w, k_ptr, stride_k, tok0, t, ch, ok, W, WP)
-    win_v = _window(cs_base + 2 * HD, stride_cs_w, v_ptr, stride_v, tok0, t, ch, ok, W, WP)
-    qc = _conv_silu(win_q, cw_q)
-    kc = _conv_silu(win_k, cw_k)
-    vc = _conv_silu(win_v, cw_v)
-    qn = qc * (tl.rsqrt(tl.sum(qc * qc, axis=0) + 1e-6) * (D ** -0.5))
-    kn = kc * tl.rsqrt(tl.sum(kc * kc, axis=0) + 1e-6)
-    return win_q, win_k, win_v, qn, kn, vc
-
-
-@triton.jit
 def _kda_decode_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, fa_ptr, beta_ptr,
     fbw_ptr, cw_ptr, alog_ptr, dtb_ptr, onw_ptr,
@@ -221,12 +199,18 @@ def _kda_decode_kernel(
     # Decode runs it once, not pipelined.
     for t in tl.range(Q_LEN, num_stages=2):
         tok = (tok0 + t).to(tl.int64)
-        win_q, win_k, win_v, qn, kn, vc = _token(cs_base, stride_cs_w, q_ptr, k_ptr, v_ptr, stride_q, stride_k,
-                                                 stride_v, tok0, t, ch, ok, cw_q, cw_k, cw_v, HD, D, W, WP)
+        win_q = _window(cs_base, stride_cs_w, q_ptr, stride_q, tok0, t, ch, ok, W, WP)
+        win_k = _window(cs_base + HD, stride_cs_w, k_ptr, stride_k, tok0, t, ch, ok, W, WP)
+        win_v = _window(cs_base + 2 * HD, stride_cs_w, v_ptr, stride_v, tok0, t, ch, ok, W, WP)
         commit = commit_d == t + 1  # [D]: this token's state (and taps) are the committed ones
         taps_q = tl.where(commit[None, :], win_q, taps_q)
         taps_k = tl.where(commit[None, :], win_k, taps_k)
         taps_v = tl.where(commit[None, :], win_v, taps_v)
+        qc = _conv_silu(win_q, cw_q)
+        kc = _conv_silu(win_k, cw_k)
+        vc = _conv_silu(win_v, cw_v)
+        qn = qc * (tl.rsqrt(tl.sum(qc * qc, axis=0) + 1e-6) * (D ** -0.5))
+        kn = kc * tl.rsqrt(tl.sum(kc * kc, axis=0) + 1e-6)
 
         if Q_LEN == 1:
             g_raw, beta = g_first, beta_first
@@ -259,133 +243,6 @@ def _kda_decode_kernel(
     # outside the contract and leave them too).
     tl.debug_barrier()
     keep = ok_d & (commit_d >= 1) & (commit_d <= Q_LEN)
-    _store_taps(cs_base, stride_cs_w, taps_q, ch, keep, W, WP)
-    _store_taps(cs_base + HD, stride_cs_w, taps_k, ch, keep, W, WP)
-    _store_taps(cs_base + 2 * HD, stride_cs_w, taps_v, ch, keep, W, WP)
-
-
-@triton.jit
-def _kda_verify_chunk_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, fa_ptr, beta_ptr,
-    fbw_ptr, cw_ptr, alog_ptr, dtb_ptr, onw_ptr,
-    cs_ptr, st_ptr, idx_ptr, acc_ptr, out_ptr,
-    stride_q, stride_k, stride_v, stride_g, stride_fa, stride_beta,
-    stride_fbw, stride_cw_c, stride_cw_w,
-    stride_cs_s, stride_cs_w,
-    stride_st_s, stride_st_h,
-    stride_out,
-    lower_bound, norm_eps,
-    H: tl.constexpr, D: tl.constexpr, F: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
-    Q_LEN: tl.constexpr, ST_V: tl.constexpr, ST_K: tl.constexpr, FB: tl.constexpr,
-    GRAW: tl.constexpr, HALF: tl.constexpr, PREC: tl.constexpr,
-):
-    """A verify step's delta rule in chunk form (same contract as ``_kda_decode_kernel``, ``Q_LEN <= HALF``).
-
-    With G_t the running sum of the log decays (per k channel, tokens 1 .. t) and S_0 the stored state:
-    ``S_t = S_0 diag(e^G_t) + sum_{s<=t} u_s (k_s * e^(G_t - G_s))^T``, so every token's prediction and output
-    read S_0 alone: ``P = S_0 @ X^T`` with X's rows ``k_t e^G_t`` (row t) and ``q_t e^G_t`` (row HALF + t), one
-    MMA over the state; ``u_t = beta_t (v_t - P[:, t] - sum_{s<t} A[t, s] u_s)`` and ``o_t = P[:, HALF + t] +
-    sum_{s<=t} B[t, s] u_s`` with the token-pair sums ``A[t, s] = k_s . k_t e^(G_t - G_s)``, ``B[t, s] = k_s . q_t
-    e^(G_t - G_s)``; the committed state ``S_a = S_0 diag(e^G_a) + U @ K_a`` (K_a's row s: ``k_s e^(G_a - G_s)``
-    for s < a, else 0) is a second MMA, stored once. Exponents are differences of partial sums with t >= s, so
-    no factor exceeds 1.
-    """
-    pid = tl.program_id(0)
-    b = pid // H
-    h = pid % H
-    HD: tl.constexpr = H * D
-    QP: tl.constexpr = 2 * HALF  # X's rows: HALF key rows, then HALF query rows
-    offs = tl.arange(0, D)
-    offs_w = tl.arange(0, WP)
-    rows = tl.arange(0, QP)  # token rows of the [QP, D] tiles
-    cols = tl.arange(0, QP)  # token columns of the [D, QP] tiles
-
-    ch = h * D + offs
-    a = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
-    dtb = tl.load(dtb_ptr + ch).to(tl.float32)
-    wmask = offs_w[:, None] < W
-    cw_q = tl.load(cw_ptr + ch[None, :] * stride_cw_c + offs_w[:, None] * stride_cw_w, mask=wmask, other=0.0)
-    cw_k = tl.load(cw_ptr + (HD + ch)[None, :] * stride_cw_c + offs_w[:, None] * stride_cw_w, mask=wmask, other=0.0)
-    cw_v = tl.load(cw_ptr + (2 * HD + ch)[None, :] * stride_cw_c + offs_w[:, None] * stride_cw_w, mask=wmask,
-                   other=0.0)
-    cw_q = cw_q.to(tl.float32)
-    cw_k = cw_k.to(tl.float32)
-    cw_v = cw_v.to(tl.float32)
-
-    tok0 = b * Q_LEN
-    slot = tl.load(idx_ptr + b).to(tl.int64)
-    acc = tl.load(acc_ptr + b).to(tl.int32)
-    ok = slot >= 0
-    slot_c = tl.maximum(slot, 0)
-    ok_d = (tl.zeros([D], tl.int64) + slot) >= 0
-    commit_d = tl.zeros([D], tl.int32) + acc
-
-    st_ptrs = st_ptr + slot_c * stride_st_s + h * stride_st_h + offs[:, None] * ST_V + offs[None, :] * ST_K
-    st_mask = (offs[:, None] < D) & ok_d[None, :]
-    S = tl.load(st_ptrs, mask=st_mask, other=0.0)  # S_0 [Dv, Dk] FP32
-
-    cs_base = cs_ptr + slot_c * stride_cs_s
-    taps_q = tl.zeros([WP, D], tl.float32)
-    taps_k = tl.zeros([WP, D], tl.float32)
-    taps_v = tl.zeros([WP, D], tl.float32)
-    X = tl.zeros([QP, D], tl.float32)  # rows t: k_t e^G_t; rows HALF + t: q_t e^G_t
-    KN = tl.zeros([QP, D], tl.float32)  # rows t: k_t
-    GC = tl.zeros([QP, D], tl.float32)  # rows t: G_t
-    V = tl.zeros([QP, D], tl.float32)  # rows t: v_t
-    A = tl.zeros([QP, QP], tl.float32)  # [t, s]: k_s . k_t e^(G_t - G_s), s < t
-    B = tl.zeros([QP, QP], tl.float32)  # [t, s]: k_s . q_t e^(G_t - G_s), s <= t
-    beta_r = tl.zeros([QP], tl.float32)
-    g_cum = tl.zeros([D], tl.float32)
-    for t in tl.range(Q_LEN):
-        win_q, win_k, win_v, qn, kn, vc = _token(cs_base, stride_cs_w, q_ptr, k_ptr, v_ptr, stride_q, stride_k,
-                                                 stride_v, tok0, t, ch, ok, cw_q, cw_k, cw_v, HD, D, W, WP)
-        commit = commit_d == t + 1
-        taps_q = tl.where(commit[None, :], win_q, taps_q)
-        taps_k = tl.where(commit[None, :], win_k, taps_k)
-        taps_v = tl.where(commit[None, :], win_v, taps_v)
-        g_raw, beta = _gates(fa_ptr, stride_fa, beta_ptr, stride_beta, (tok0 + t).to(tl.int64), h, fbw_ptr,
-                             stride_fbw, ch, D, F, FB, GRAW)
-        g_cum += lower_bound * _sigmoid(a * (g_raw + dtb))
-        row = rows[:, None] == t
-        KN = tl.where(row, kn[None, :], KN)
-        GC = tl.where(row, g_cum[None, :], GC)
-        V = tl.where(row, vc[None, :], V)
-        scale = tl.exp(g_cum)
-        X = tl.where(row, (kn * scale)[None, :], X)
-        X = tl.where(rows[:, None] == HALF + t, (qn * scale)[None, :], X)
-        ratio = tl.where(rows[:, None] <= t, tl.exp(g_cum[None, :] - GC), 0.0)  # rows s <= t: e^(G_t - G_s)
-        a_row = tl.sum(KN * ratio * kn[None, :], axis=1)  # [QP] over s
-        b_row = tl.sum(KN * ratio * qn[None, :], axis=1)
-        A = tl.where((rows[:, None] == t) & (cols[None, :] < t), a_row[None, :], A)
-        B = tl.where(rows[:, None] == t, b_row[None, :], B)
-        beta_r = tl.where(rows == t, beta, beta_r)
-
-    P = tl.dot(S, tl.trans(X), input_precision=PREC)  # [Dv, QP]: S_0 k_t e^G_t, then S_0 q_t e^G_t
-    U = tl.zeros([D, QP], tl.float32)  # columns t: u_t
-    onw = tl.load(onw_ptr + offs).to(tl.float32)
-    for t in tl.static_range(Q_LEN):
-        tok = (tok0 + t).to(tl.int64)
-        a_t = tl.sum(tl.where(rows[:, None] == t, A, 0.0), axis=0)  # [QP] over s
-        b_t = tl.sum(tl.where(rows[:, None] == t, B, 0.0), axis=0)
-        beta_t = tl.sum(tl.where(rows == t, beta_r, 0.0), axis=0)
-        v_t = tl.sum(tl.where(rows[:, None] == t, V, 0.0), axis=0)  # [Dv]
-        p_t = tl.sum(tl.where(cols[None, :] == t, P, 0.0), axis=1)
-        u = beta_t * (v_t - p_t - tl.sum(U * a_t[None, :], axis=1))
-        U = tl.where(cols[None, :] == t, u[:, None], U)
-        o = tl.sum(tl.where(cols[None, :] == HALF + t, P, 0.0), axis=1) + tl.sum(U * b_t[None, :], axis=1)
-        gate = _sigmoid(tl.load(g_ptr + tok * stride_g + ch).to(tl.float32))
-        y = o * tl.rsqrt(tl.sum(o * o, axis=0) / D + norm_eps) * onw * gate
-        y = tl.where(ok_d, y, 0.0)
-        tl.store(out_ptr + tok * stride_out + ch, y.to(out_ptr.dtype.element_ty))
-
-    # The committed state: accepted = 0 (or above Q_LEN) stores nothing, as the per-token kernel.
-    g_a = tl.sum(tl.where(rows[:, None] == acc - 1, GC, 0.0), axis=0)  # [Dk]: G_a
-    K_a = tl.where(rows[:, None] < acc, KN * tl.exp(g_a[None, :] - GC), 0.0)  # [QP, Dk]
-    S = tl.dot(U, K_a, S * tl.exp(g_a)[None, :], input_precision=PREC)
-    keep = ok_d & (commit_d >= 1) & (commit_d <= Q_LEN)
-    tl.store(st_ptrs, S, mask=st_mask & keep[None, :])
-
-    tl.debug_barrier()
     _store_taps(cs_base, stride_cs_w, taps_q, ch, keep, W, WP)
     _store_taps(cs_base + HD, stride_cs_w, taps_k, ch, keep, W, WP)
     _store_taps(cs_base + 2 * HD, stride_cs_w, taps_v, ch, keep, W, WP)
@@ -437,7 +294,7 @@ def kda_decode_unsupported(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_b
 
 def kda_decode_core(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_bias, o_norm_w, conv_state, rec_state,
                     state_indices, accepted, q_len: int, lower_bound: float, norm_eps: float, *,
-                    num_warps: int = 4, fb: int = 32, maxnreg: int | None = None, chunk: bool = False,
+                    num_warps: int = 4, fb: int = 32, maxnreg: int | None = None,
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """The KDA core of one decode / verify step in one launch; mutates ``conv_state`` and ``rec_state``.
 
@@ -456,8 +313,6 @@ def kda_decode_core(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_bias, o_
     64 at decode, 1-64 requests, on Triton 3.6; verify steps too);
     ``maxnreg`` an optional register cap (more programs per SM, at the price of spills). The output taken
     before the update (``S q + u (k . q)``) was 1.29-1.35x slower at q = 4 (docs/perf_kda.md) and is gone.
-    ``chunk`` (verify steps, q_len > 1): the delta rule in chunk form (``_kda_verify_chunk_kernel``: two MMAs over
-    the state, 3xTF32 on CUDA, instead of four passes a token).
     """
     T, HD = q.shape
     H = beta.shape[-1]
@@ -470,11 +325,7 @@ def kda_decode_core(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_bias, o_
         out = torch.empty(T, HD, dtype=q.dtype, device=q.device)
     if B == 0:
         return out
-    if chunk and q_len > 1:
-        kernel, extra = _kda_verify_chunk_kernel, dict(HALF=MAX_Q_LEN, PREC="ieee" if _INTERPRET else "tf32x3")
-    else:
-        kernel, extra = _kda_decode_kernel, {}
-    kernel[(B * H,)](
+    _kda_decode_kernel[(B * H,)](
         q, k, v, g_out, f_a, beta,
         f_a if graw else f_b_w, conv_w, A_log, dt_bias, o_norm_w,
         conv_state, rec_state, state_indices, accepted, out,
@@ -485,7 +336,7 @@ def kda_decode_core(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_bias, o_
         out.stride(0),
         float(lower_bound), float(norm_eps),
         H=H, D=D, F=F, W=W, WP=triton.next_power_of_2(W), Q_LEN=int(q_len),
-        ST_V=rec_state.stride(2), ST_K=rec_state.stride(3), FB=min(F, fb), GRAW=graw, **extra,
+        ST_V=rec_state.stride(2), ST_K=rec_state.stride(3), FB=min(F, fb), GRAW=graw,
         num_warps=num_warps,
         **({"maxnreg": int(maxnreg)} if maxnreg else {}),
     )
