@@ -59,8 +59,8 @@ class DepOptions:
         "sparse_mla": "DSA sparse-MLA kernel: 'auto' (FlashInfer where it runs, else Triton), 'triton', 'flashinfer'"
                       " (a compile error where it cannot run)",
         "attn_res_ahead": "True: each fused AttnRes point also computes the next one's bank part on a side stream, "
-                          "beside the sublayer between them (CUDA; passes/attn_res.link_points); off until timed "
-                          "on the H200",
+                          "beside the sublayer between them (CUDA; passes/attn_res.link_points); off by default "
+                          "(-3.5 % on the DEP32 rank's 1-request step, docs/perf.md)",
         "dump_dir": "write graphs, match reports and near misses here (or $DEP_COMPILE_DUMP_DIR)",
         "validate": "run each matched layer's stock subgraph and its replacement on small random inputs at compile"
                     " time and keep the rewrite only if they agree (translation validation); False skips that"
