@@ -367,17 +367,22 @@ def _check_normed(got, ref):
     assert (d <= 2 ** -6 * ref.float().abs() + 2 ** -16 * scale).all(), ulps(got, ref).max()
 
 
+def _on_device(x: dict) -> dict:
+    """``_inputs`` moved to the kernels' device (the deltas list too)."""
+    return {n: [d.to(TRITON_DEV) for d in v] if isinstance(v, list) else v.to(TRITON_DEV) for n, v in x.items()}
+
+
 def _run_kernel_case(T, D, NB, num_blocks, write_slot, seed, unroll):
     k = _kernels()
     x = _inputs(T, D, NB, seed)
-    dev = {n: (v.to(TRITON_DEV) if isinstance(v, torch.Tensor) else v) for n, v in x.items()}
+    dev = _on_device(x)
     p_ref, b_ref = x["prefix"].clone(), x["bank"].clone()
     p_k, b_k = dev["prefix"].clone(), dev["bank"].clone()
     p_f, b_f = dev["prefix"].clone(), dev["bank"].clone()
     delta = x["deltas"][0]
     ref = attn_res_ref(p_ref, b_ref, delta, x["query"], EPS, num_blocks, write_slot)
     ref_n = F.rms_norm(ref.float(), (D,), x["norm_w"].float(), NORM_EPS).to(BF16)
-    d_dev = delta.to(TRITON_DEV)
+    d_dev = dev["deltas"][0]
     assert k.unsupported(p_k, b_k, d_dev, dev["query"], num_blocks, write_slot) is None
     got = k.attn_res_cuda(p_k, b_k, d_dev, dev["query"], EPS, num_blocks, write_slot, unroll=unroll)
     got_n = k.attn_res_norm_cuda(p_f, b_f, d_dev, dev["query"], dev["norm_w"], EPS, num_blocks, write_slot, NORM_EPS,
@@ -395,7 +400,7 @@ def _run_part_case(T, D, NB, num_blocks, write_slot, seed, unroll):
     """The bank part kernel against ``bank_part_ref``, and the point kernel merging it against the reference."""
     k = _kernels()
     x = _inputs(T, D, NB, seed)
-    dev = {n: (v.to(TRITON_DEV) if isinstance(v, torch.Tensor) else v) for n, v in x.items()}
+    dev = _on_device(x)
     p_ref, b_ref = x["prefix"].clone(), x["bank"].clone()
     part_ref = bank_part_ref(b_ref, x["query"], EPS, num_blocks, write_slot)
     ref = attn_res_ref(p_ref, b_ref, x["deltas"][0], x["query"], EPS, num_blocks, write_slot)
@@ -411,8 +416,7 @@ def _run_part_case(T, D, NB, num_blocks, write_slot, seed, unroll):
     covered = [s for s in range(num_blocks) if s != write_slot]
     b_k[covered] = 99.0
     b_ref[covered] = 99.0
-    delta = x["deltas"][0].to(TRITON_DEV)  # (a list: not moved with the tensors above)
-    got_n = k.attn_res_norm_cuda(p_k, b_k, delta, dev["query"], dev["norm_w"], EPS, num_blocks, write_slot, NORM_EPS,
+    got_n = k.attn_res_norm_cuda(p_k, b_k, dev["deltas"][0], dev["query"], dev["norm_w"], EPS, num_blocks, write_slot, NORM_EPS,
                                  unroll=unroll, part=part)
     assert torch.equal(p_k.cpu(), p_ref) and torch.equal(b_k.cpu(), b_ref)
     _check_normed(got_n, ref_n)
@@ -455,13 +459,13 @@ def test_kernel_chained_steps_and_unsupported_calls():
     """Four chained points through both CUDA entries (the ops), prefix and bank bit-exact after each."""
     _kernels()
     x = _inputs(3, 200, 3, seed=5)
-    dev = {n: (v.to(TRITON_DEV) if isinstance(v, torch.Tensor) else v) for n, v in x.items()}
+    dev = _on_device(x)
     p_ref, b_ref, p_k, b_k = x["prefix"].clone(), x["bank"].clone(), dev["prefix"].clone(), dev["bank"].clone()
     from dep_compile.stock.attn_res_cuda import attn_res_cuda, unsupported  # noqa: PLC0415
 
-    for (nb, ws), delta in zip(SCHEDULE, x["deltas"]):
+    for (nb, ws), delta, d_dev in zip(SCHEDULE, x["deltas"], dev["deltas"]):
         ref = attn_res_ref(p_ref, b_ref, delta, x["query"], EPS, nb, ws)
-        got = attn_res_cuda(p_k, b_k, delta.to(TRITON_DEV), dev["query"], EPS, nb, ws)
+        got = attn_res_cuda(p_k, b_k, d_dev, dev["query"], EPS, nb, ws)
         assert torch.equal(p_k.cpu(), p_ref) and torch.equal(b_k.cpu(), b_ref)
         _check_mix(got, ref)
     assert "num_blocks" in unsupported(p_k, b_k, p_k, dev["query"], 4, -1)
