@@ -4,9 +4,10 @@
 Kimi K3 full size (H=96, D=128, F=128, conv width 4), decode (q_len = 1; ``--q 2``/``4``: verify steps, each
 request accepting a random 1..q of its tokens) at B in {1, 4, 16, 64} requests. For every B it
 
-1. checks the kernel against ``kda_core_ref`` on the GPU (same inputs, cloned states):
+1. checks every variant against ``kda_core_ref`` on the GPU (same inputs, cloned states):
    output rel. Frobenius error, committed-state rel. error, conv state bit-equality;
-2. times each kernel variant (``VARIANTS``: warps, F_B chunk, output before the update) with CUDA-graph replays
+2. times each kernel variant (``VARIANTS``: warps, F_B chunk, the split form, F_B as a GEMM before the core) with
+   CUDA-graph replays
    (``benchmarks/common.time_graph``), rotating over enough "layer copies" (states, conv
    states, f_b_w, conv_w, inputs) that their total exceeds twice the L2, medians;
 3. if ``fla-core`` imports, times ``fla.ops.kda`` fused recurrent decode (in-kernel gate, L2
@@ -46,6 +47,11 @@ VARIANTS = {  # name -> launcher kwargs
     "w4": dict(num_warps=4),
     "w4_fb64": dict(num_warps=4, fb=64),
     "w8": dict(num_warps=8),
+    "split": dict(split=True),  # prep launch + state launch (kda_decode_core's ``split``)
+    # F_B as one GEMM for every token (F.linear, cuBLAS) before the core, which reads the raw gate: f_b_w read once,
+    # not once a token by each (request, head) program
+    "w4_fb_out": dict(num_warps=4, fb_outside=True),
+    "split_fb_out": dict(split=True, fb_outside=True),
 }
 
 
@@ -99,8 +105,9 @@ def moved_bytes(B: int, q: int = 1) -> tuple[int, int]:
     return state, state + conv + rest
 
 
-def run_ours(kt, c, **kw):
-    return kt.kda_decode_core(c["q"], c["k"], c["v"], c["f_a"], c["f_b_w"], c["beta"], c["g_out"], c["conv_w"],
+def run_ours(kt, c, fb_outside: bool = False, **kw):
+    f_a, f_b_w = (F.linear(c["f_a"], c["f_b_w"]), None) if fb_outside else (c["f_a"], c["f_b_w"])
+    return kt.kda_decode_core(c["q"], c["k"], c["v"], f_a, f_b_w, c["beta"], c["g_out"], c["conv_w"],
                               c["A_log"], c["dt_bias"], c["o_norm_w"], c["conv_state"], c["rec_state"],
                               c["state_indices"], c["accepted"], c["q_len"], LOWER_BOUND, NORM_EPS, out=c["out"], **kw)
 
@@ -164,8 +171,9 @@ def main() -> None:
         state_b, all_b = moved_bytes(B, args.q)
         row = dict(B=B, q=args.q, copies=n, state_bytes=state_b, all_bytes=all_b,
                    floor_state_us=common.floor_us(state_b), floor_all_us=common.floor_us(all_b))
-        row["check"] = check(kt, copies[0], variants[next(iter(variants))])
-        print(f"B={B} copies={n} check={row['check']}", flush=True)
+        checks = {name: check(kt, copies[0], kw) for name, kw in variants.items()}
+        row["check"] = dict(ok=all(c["ok"] for c in checks.values()), variants=checks)
+        print(f"B={B} copies={n} check={checks}", flush=True)
         steps = common.steps_per_replay(max(3.0, B * 4.0 * args.q), n)
         for name, kw in variants.items():
             try:
@@ -216,12 +224,13 @@ def main() -> None:
         rows.append(cells)
     kernels = []
     try:  # registers / spills of every compiled specialization (best effort: Triton internals)
-        for cache in kt._kda_decode_kernel.device_caches.values():
-            for key, ck in cache[0].items():
-                kernels.append(dict(key=str(key)[:200], n_regs=getattr(ck, "n_regs", None),
-                                    n_spills=getattr(ck, "n_spills", None), num_warps=ck.metadata.num_warps))
-                print("kernel", kernels[-1]["num_warps"], "warps: regs", kernels[-1]["n_regs"], "spills",
-                      kernels[-1]["n_spills"])
+        for fn in (kt._kda_decode_kernel, kt._kda_prep_kernel, kt._kda_state_kernel):
+            for cache in fn.device_caches.values():
+                for key, ck in cache[0].items():
+                    kernels.append(dict(kernel=fn.__name__, key=str(key)[:200], n_regs=getattr(ck, "n_regs", None),
+                                        n_spills=getattr(ck, "n_spills", None), num_warps=ck.metadata.num_warps))
+                    print("kernel", fn.__name__, kernels[-1]["num_warps"], "warps: regs", kernels[-1]["n_regs"],
+                          "spills", kernels[-1]["n_spills"])
     except Exception as e:  # noqa: BLE001
         print("kernel info unavailable:", repr(e))
     name = "kda_core" if args.q == 1 else f"kda_core_q{args.q}"

@@ -12,7 +12,8 @@ runs Triton 3.6: to read its code, install that Triton beside this one and put i
 
 Kernels (K3 shapes): ``attn_res`` (the fused AttnRes -> RMSNorm reading its bank rows, 16 warps), ``attn_res_part``
 (its bank rows' part computed a point early, option attn_res_ahead), ``experts_gemm1`` (the MXFP4 routed
-experts' gate / up GEMM on tiles, default tactic, 32-row passes).
+experts' gate / up GEMM on tiles, default tactic, 32-row passes), ``kda_core`` (the fused KDA decode core at a
+4-token verify step) and ``kda_state`` (the split KDA core's state launch, the same step).
 """
 
 from __future__ import annotations
@@ -119,7 +120,39 @@ def experts_gemm1():
                         maxnreg=t.maxnreg)
 
 
-KERNELS = {"attn_res": attn_res, "attn_res_part": attn_res_part, "experts_gemm1": experts_gemm1}
+def kda_core(q_len: int = 4):
+    """The fused KDA decode core (one program a request's head: conv, gates, delta rule, gated norm) at K3's size,
+    a verify step of ``q_len`` tokens, 4 warps (the default)."""
+    from dep_compile.ops import kda_triton as K  # noqa: PLC0415
+
+    cfg = PRESETS["k3"]
+    H, D = cfg.kda_heads, cfg.kda_head_dim
+    sig = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", g_ptr="*bf16", fa_ptr="*bf16", beta_ptr="*bf16",
+               fbw_ptr="*bf16", cw_ptr="*bf16", alog_ptr="*fp32", dtb_ptr="*fp32", onw_ptr="*bf16",
+               cs_ptr="*bf16", st_ptr="*fp32", idx_ptr="*i32", acc_ptr="*i32", out_ptr="*bf16",
+               stride_q="i32", stride_k="i32", stride_v="i32", stride_g="i32", stride_fa="i32", stride_beta="i32",
+               stride_fbw="i32", stride_cw_c="i32", stride_cw_w="i32", stride_cs_s="i32", stride_cs_w="i32",
+               stride_st_s="i32", stride_st_h="i32", stride_out="i32", lower_bound="fp32", norm_eps="fp32")
+    consts = dict(H=H, D=D, F=cfg.kda_f_rank, W=cfg.kda_conv_width, WP=triton.next_power_of_2(cfg.kda_conv_width),
+                  Q_LEN=q_len, ST_V=D, ST_K=1, FB=32, GRAW=False)
+    return compile_sm90(K._kda_decode_kernel, sig, consts, num_warps=4)
+
+
+def kda_state(q_len: int = 4):
+    """The split KDA core's state launch (delta rule and gated norm over the prep launch's workspace) at K3's
+    size, a verify step of ``q_len`` tokens, with its launch's warps and register cap."""
+    from dep_compile.ops import kda_triton as K  # noqa: PLC0415
+
+    cfg = PRESETS["k3"]
+    H, D = cfg.kda_heads, cfg.kda_head_dim
+    sig = dict(xs_ptr="*bf16", dec_ptr="*fp32", sc_ptr="*fp32", g_ptr="*bf16", onw_ptr="*bf16", st_ptr="*fp32",
+               idx_ptr="*i32", acc_ptr="*i32", out_ptr="*bf16", stride_g="i32", stride_st_s="i32",
+               stride_st_h="i32", stride_out="i32", norm_eps="fp32")
+    return compile_sm90(K._kda_state_kernel, sig, dict(H=H, D=D, Q_LEN=q_len, ST_V=D, ST_K=1), **K.STATE_LAUNCH)
+
+
+KERNELS = {"attn_res": attn_res, "attn_res_part": attn_res_part, "experts_gemm1": experts_gemm1,
+           "kda_core": kda_core, "kda_state": kda_state}
 
 
 def main() -> None:

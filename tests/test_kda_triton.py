@@ -124,21 +124,27 @@ if _DEV == "cpu":
     CASES = [(size, B, q) for (size, B, q) in CASES if size == "small"]
 
 
+# The two forms of the core: one fused launch (the default), or the prep and state launches (``split``).
+FORMS = pytest.mark.parametrize("split", [False, True], ids=["fused", "split"])
+
+
+@FORMS
 @pytest.mark.parametrize("size,B,q_len", CASES, ids=lambda x: str(x))
-def test_kda_decode_core_matches_reference(size, B, q_len):
+def test_kda_decode_core_matches_reference(size, B, q_len, split):
     kt = _kt()
     H, D, Fr = SIZES[size]
     for seed in (0, 1):
         c = make_case(H, D, Fr, B, q_len, seed=1000 * B + 10 * q_len + seed + (0 if size == "full" else 7),
                       device=_DEV)
         ref = reference(c, q_len)
-        out = run_kernel(kt, c, q_len)
+        out = run_kernel(kt, c, q_len, split=split)
         errs = check(c, q_len, out, ref)
         print(size, B, q_len, seed, errs)
 
 
+@FORMS
 @pytest.mark.parametrize("q_len", [1, 3, 8])
-def test_kda_decode_core_several_steps(q_len):
+def test_kda_decode_core_several_steps(q_len, split):
     """Three consecutive steps on the same states (state and conv taps carried between steps)."""
     kt = _kt()
     H, D, Fr = SIZES["small"]
@@ -146,14 +152,15 @@ def test_kda_decode_core_several_steps(q_len):
     ref_state = {n: x.detach().cpu().clone() for n, x in c.items()}
     for step in range(3):
         ref = reference({**ref_state, "packed": c["packed"].cpu()}, q_len)
-        out = run_kernel(kt, c, q_len)
+        out = run_kernel(kt, c, q_len, split=split)
         check(c, q_len, out, ref)
         ref_state["conv_pool"], ref_state["rec_pool"] = ref[1], ref[2]
         c["packed"].copy_(torch.randn(c["packed"].shape).to(torch.bfloat16).to(c["packed"].device))
 
 
+@FORMS
 @pytest.mark.parametrize("q_len", [1, 2])
-def test_kda_decode_core_zero_accepted_keeps_states(q_len):
+def test_kda_decode_core_zero_accepted_keeps_states(q_len, split):
     """A request with accepted = 0 commits no token: its conv taps and recurrent state stay as they
     were (as the reference), while the other requests commit as usual."""
     kt = _kt()
@@ -163,19 +170,19 @@ def test_kda_decode_core_zero_accepted_keeps_states(q_len):
     slot = int(c["state_indices"][0])
     conv0, rec0 = c["conv_state"][slot].clone(), c["rec_state"][slot].clone()
     ref = reference(c, q_len)
-    check(c, q_len, run_kernel(kt, c, q_len), ref)
+    check(c, q_len, run_kernel(kt, c, q_len, split=split), ref)
     assert torch.equal(c["conv_state"][slot], conv0) and torch.equal(c["rec_state"][slot], rec0)
 
 
-@pytest.mark.parametrize("w", [2, 3, 8])
-@pytest.mark.parametrize("q_len", [1, 3])
-def test_kda_decode_core_conv_widths(w, q_len):
+@pytest.mark.parametrize("w,q_len,split", [(2, 1, False), (3, 1, False), (8, 1, False), (2, 3, False),
+                                           (3, 3, False), (8, 3, False), (2, 3, True), (8, 1, True)], ids=str)
+def test_kda_decode_core_conv_widths(w, q_len, split):
     """Conv widths other than K3's 4 (the tap tile is padded to a power of two): as the reference."""
     kt = _kt()
     H, D, Fr = SIZES["small"]
     c = make_case(H, D, Fr, 5, q_len, seed=60 + w + q_len, device=_DEV, W=w)
     ref = reference(c, q_len)
-    check(c, q_len, run_kernel(kt, c, q_len), ref)
+    check(c, q_len, run_kernel(kt, c, q_len, split=split), ref)
 
 
 @pytest.mark.skipif(_DEV == "cpu", reason="routing needs CUDA tensors")
@@ -205,14 +212,16 @@ def test_prepared_kda_core_routes_to_kernel_and_falls_back(caplog):
     assert len(warnings) == 1 and why in warnings[0], warnings  # q_len 2: none; q_len 9 twice: logged once
 
 
+@FORMS
 @pytest.mark.skipif(_DEV == "cpu", reason="CUDA graphs")
-def test_kda_decode_core_graph_capture():
-    """Captured in a CUDA graph and replayed: same result as an eager launch on the same inputs."""
+def test_kda_decode_core_graph_capture(split):
+    """Captured in a CUDA graph and replayed: same result as an eager launch on the same inputs (the split
+    form's workspace allocated inside the capture)."""
     kt = _kt()
     H, D, Fr = SIZES["full"]
     c = make_case(H, D, Fr, 4, 2, seed=11, device=_DEV)
     conv0, rec0 = c["conv_pool"].clone(), c["rec_pool"].clone()
-    eager = run_kernel(kt, c, 2)
+    eager = run_kernel(kt, c, 2, split=split)
     conv1, rec1 = c["conv_pool"].clone(), c["rec_pool"].clone()
     c["conv_pool"].copy_(conv0)
     c["rec_pool"].copy_(rec0)
@@ -224,7 +233,7 @@ def test_kda_decode_core_graph_capture():
         with torch.cuda.graph(graph):
             kt.kda_decode_core(c["q"], c["k"], c["v"], c["f_a"], c["f_b_w"], c["beta"], c["g_out"], c["conv_w"],
                                c["A_log"], c["dt_bias"], c["o_norm_w"], c["conv_state"], c["rec_state"],
-                               c["state_indices"], c["accepted"], 2, LOWER_BOUND, NORM_EPS, out=out)
+                               c["state_indices"], c["accepted"], 2, LOWER_BOUND, NORM_EPS, out=out, split=split)
     torch.cuda.current_stream().wait_stream(s)
     c["conv_pool"].copy_(conv0)
     c["rec_pool"].copy_(rec0)
@@ -252,15 +261,16 @@ def test_kda_decode_core_tuning_knobs(size, B, q_len, kw):
     check(c, q_len, run_kernel(kt, c, q_len, **kw), ref)
 
 
+@FORMS
 @pytest.mark.parametrize("q_len", [1, 3])
-def test_kda_decode_core_reads_a_precomputed_raw_gate(q_len):
+def test_kda_decode_core_reads_a_precomputed_raw_gate(q_len, split):
     """``f_b_w`` None (an FP8 f_b_proj applied outside): the kernel reads f_a as the raw gate [T, H*D] and computes
     what it computes from the BF16 F_B, to the bit (the gate is the same BF16 tensor either way)."""
     kt = _kt()
     H, D, Fr = SIZES["small"]
     c = make_case(H, D, Fr, 4, q_len, seed=77 + q_len, device=_DEV)
     d = {n: x.clone() for n, x in c.items()}
-    out = run_kernel(kt, c, q_len)
+    out = run_kernel(kt, c, q_len, split=split)
     g_raw = F.linear(d["f_a"].cpu(), d["f_b_w"].cpu()).to(_DEV)
     why = kt.kda_decode_unsupported(d["q"], d["k"], d["v"], g_raw, None, d["beta"], d["g_out"], d["conv_w"],
                                     d["A_log"], d["dt_bias"], d["o_norm_w"], d["conv_state"], d["rec_state"],
@@ -268,6 +278,6 @@ def test_kda_decode_core_reads_a_precomputed_raw_gate(q_len):
     assert why is None, why
     got = kt.kda_decode_core(d["q"], d["k"], d["v"], g_raw, None, d["beta"], d["g_out"], d["conv_w"], d["A_log"],
                              d["dt_bias"], d["o_norm_w"], d["conv_state"], d["rec_state"], d["state_indices"],
-                             d["accepted"], q_len, LOWER_BOUND, NORM_EPS)
+                             d["accepted"], q_len, LOWER_BOUND, NORM_EPS, split=split)
     assert torch.equal(got, out)
     assert torch.equal(d["rec_state"], c["rec_state"]) and torch.equal(d["conv_state"], c["conv_state"])

@@ -4,6 +4,7 @@ compiled on the CPU by Triton's own ptxas; docs/perf.md gives the measurements).
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -46,3 +47,14 @@ def test_attn_res_point_compiles_where_the_launch_specializes_ones(part, ones):
     ``num_blocks`` and / or ``write_slot`` 1 (the merging point once failed there, on the H200: a condition of two
     constants is a Python bool)."""
     assert sass_mix.attn_res(part, **dict.fromkeys(ones, 1)).asm["cubin"]
+
+
+def test_kda_state_loop_reduces_across_eight_lanes():
+    """The split KDA core's state launch keeps its layout: the state as four column chunks puts a warp over 4 rows x
+    8 column groups, so a token step's two reductions over k cross 8 lanes (3 shuffles a row, 4 rows a thread) and
+    the gated norm's once; in 8 warps at 128 registers, without local memory. One [Dv, Dk] tile (all 32 lanes
+    along k) takes 388 shuffles a step in the fused kernel."""
+    listing = sass_mix.sass(sass_mix.KERNELS["kda_state"]())
+    assert not re.findall(r"\b(?:LDL|STL)\b", listing)
+    mix = _loop_with("kda_state", "SHFL.BFLY")
+    assert mix["SHFL.BFLY"] <= 40 and sum(mix.values()) <= 720, mix

@@ -66,6 +66,7 @@ import triton.language as tl
 __all__ = ["kda_decode_core", "kda_decode_unsupported", "MAX_Q_LEN"]
 
 MAX_Q_LEN = 8
+STATE_LAUNCH = {"num_warps": 8, "maxnreg": 128}  # the split form's state launch: two programs an SM
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -129,6 +130,35 @@ def _gates(fa_ptr, stride_fa, beta_ptr, stride_beta, tok, h, fbw_ptr, stride_fbw
 
 
 @triton.jit
+def _head_consts(cw_ptr, stride_cw_c, stride_cw_w, alog_ptr, dtb_ptr, h, ch, offs_w, HD: tl.constexpr,
+                 W: tl.constexpr):
+    """Head ``h``'s constants: ``exp(A_log[h])``, ``dt_bias`` [D] and the q / k / v conv taps [WP, D], FP32."""
+    a = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
+    dtb = tl.load(dtb_ptr + ch).to(tl.float32)
+    wmask = offs_w[:, None] < W
+    cw_q = tl.load(cw_ptr + ch[None, :] * stride_cw_c + offs_w[:, None] * stride_cw_w, mask=wmask, other=0.0)
+    cw_k = tl.load(cw_ptr + (HD + ch)[None, :] * stride_cw_c + offs_w[:, None] * stride_cw_w, mask=wmask, other=0.0)
+    cw_v = tl.load(cw_ptr + (2 * HD + ch)[None, :] * stride_cw_c + offs_w[:, None] * stride_cw_w, mask=wmask,
+                   other=0.0)
+    return a, dtb, cw_q.to(tl.float32), cw_k.to(tl.float32), cw_v.to(tl.float32)
+
+
+@triton.jit
+def _norm_scale(x, D: tl.constexpr, Q: tl.constexpr):
+    """The L2 norm's factor of a conv output (eps 1e-6), times ``D^-1/2`` for q (``Q``)."""
+    r = tl.rsqrt(tl.sum(x * x, axis=0) + 1e-6)
+    if Q:
+        r = r * (D ** -0.5)
+    return r
+
+
+@triton.jit
+def _decay(lower_bound, a, g_raw, dtb):
+    """The per-channel state decay ``exp(lower_bound * sigmoid(a * (g_raw + dt_bias)))``."""
+    return tl.exp(lower_bound * _sigmoid(a * (g_raw + dtb)))
+
+
+@triton.jit
 def _kda_decode_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, fa_ptr, beta_ptr,
     fbw_ptr, cw_ptr, alog_ptr, dtb_ptr, onw_ptr,
@@ -152,16 +182,7 @@ def _kda_decode_kernel(
 
     # Per-head constants (no slot needed: they go out first).
     ch = h * D + offs
-    a = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
-    dtb = tl.load(dtb_ptr + ch).to(tl.float32)
-    wmask = offs_w[:, None] < W
-    cw_q = tl.load(cw_ptr + ch[None, :] * stride_cw_c + offs_w[:, None] * stride_cw_w, mask=wmask, other=0.0)
-    cw_k = tl.load(cw_ptr + (HD + ch)[None, :] * stride_cw_c + offs_w[:, None] * stride_cw_w, mask=wmask, other=0.0)
-    cw_v = tl.load(cw_ptr + (2 * HD + ch)[None, :] * stride_cw_c + offs_w[:, None] * stride_cw_w, mask=wmask,
-                   other=0.0)
-    cw_q = cw_q.to(tl.float32)
-    cw_k = cw_k.to(tl.float32)
-    cw_v = cw_v.to(tl.float32)
+    a, dtb, cw_q, cw_k, cw_v = _head_consts(cw_ptr, stride_cw_c, stride_cw_w, alog_ptr, dtb_ptr, h, ch, offs_w, HD, W)
 
     tok0 = b * Q_LEN
     # Decode: the F_B gate and beta first. Their loads need no state slot, so they are in flight
@@ -209,15 +230,15 @@ def _kda_decode_kernel(
         qc = _conv_silu(win_q, cw_q)
         kc = _conv_silu(win_k, cw_k)
         vc = _conv_silu(win_v, cw_v)
-        qn = qc * (tl.rsqrt(tl.sum(qc * qc, axis=0) + 1e-6) * (D ** -0.5))
-        kn = kc * tl.rsqrt(tl.sum(kc * kc, axis=0) + 1e-6)
+        qn = qc * _norm_scale(qc, D, True)
+        kn = kc * _norm_scale(kc, D, False)
 
         if Q_LEN == 1:
             g_raw, beta = g_first, beta_first
         else:
             g_raw, beta = _gates(fa_ptr, stride_fa, beta_ptr, stride_beta, tok, h, fbw_ptr, stride_fbw, ch, D, F, FB,
                                  GRAW)
-        decay = tl.exp(lower_bound * _sigmoid(a * (g_raw + dtb)))
+        decay = _decay(lower_bound, a, g_raw, dtb)
 
         S = S * decay[None, :]
         pred = tl.sum(S * kn[None, :], axis=1)
@@ -246,6 +267,138 @@ def _kda_decode_kernel(
     _store_taps(cs_base, stride_cs_w, taps_q, ch, keep, W, WP)
     _store_taps(cs_base + HD, stride_cs_w, taps_k, ch, keep, W, WP)
     _store_taps(cs_base + 2 * HD, stride_cs_w, taps_v, ch, keep, W, WP)
+
+
+@triton.jit
+def _kda_prep_kernel(
+    q_ptr, k_ptr, v_ptr, fa_ptr, beta_ptr, fbw_ptr, cw_ptr, alog_ptr, dtb_ptr, cs_ptr, idx_ptr, acc_ptr,
+    xs_ptr, dec_ptr, sc_ptr,
+    stride_q, stride_k, stride_v, stride_fa, stride_beta, stride_fbw, stride_cw_c, stride_cw_w,
+    stride_cs_s, stride_cs_w, lower_bound,
+    H: tl.constexpr, D: tl.constexpr, F: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, Q_LEN: tl.constexpr,
+    FB: tl.constexpr, GRAW: tl.constexpr,
+):
+    """The split form's first launch, one program per (request, head): the fused kernel's steps 1-3 for every
+    token (conv + SiLU, norms, F_B gate, beta) into the workspace, and the new conv taps (the state math is
+    ``_kda_state_kernel``'s)."""
+    pid = tl.program_id(0)
+    b = pid // H
+    h = pid % H
+    HD: tl.constexpr = H * D
+    offs = tl.arange(0, D)
+    ch = h * D + offs
+    a, dtb, cw_q, cw_k, cw_v = _head_consts(cw_ptr, stride_cw_c, stride_cw_w, alog_ptr, dtb_ptr, h, ch,
+                                            tl.arange(0, WP), HD, W)
+    slot = tl.load(idx_ptr + b).to(tl.int64)
+    ok = slot >= 0
+    ok_d = (tl.zeros([D], tl.int64) + slot) >= 0
+    commit_d = tl.zeros([D], tl.int32) + tl.load(acc_ptr + b).to(tl.int32)
+    cs_base = cs_ptr + tl.maximum(slot, 0) * stride_cs_s
+    taps_q = tl.zeros([WP, D], tl.float32)
+    taps_k = tl.zeros([WP, D], tl.float32)
+    taps_v = tl.zeros([WP, D], tl.float32)
+    tok0 = b * Q_LEN
+    for t in tl.range(Q_LEN, num_stages=2):
+        tok = (tok0 + t).to(tl.int64)
+        win_q = _window(cs_base, stride_cs_w, q_ptr, stride_q, tok0, t, ch, ok, W, WP)
+        win_k = _window(cs_base + HD, stride_cs_w, k_ptr, stride_k, tok0, t, ch, ok, W, WP)
+        win_v = _window(cs_base + 2 * HD, stride_cs_w, v_ptr, stride_v, tok0, t, ch, ok, W, WP)
+        commit = commit_d == t + 1
+        taps_q = tl.where(commit[None, :], win_q, taps_q)
+        taps_k = tl.where(commit[None, :], win_k, taps_k)
+        taps_v = tl.where(commit[None, :], win_v, taps_v)
+        qc = _conv_silu(win_q, cw_q)
+        kc = _conv_silu(win_k, cw_k)
+        vc = _conv_silu(win_v, cw_v)
+        g_raw, beta = _gates(fa_ptr, stride_fa, beta_ptr, stride_beta, tok, h, fbw_ptr, stride_fbw, ch, D, F, FB,
+                             GRAW)
+        th = tok * H + h  # the workspace row of (token, head)
+        xs = xs_ptr + th * (3 * D) + offs  # q, k, v conv outputs: BF16 values, stored exactly
+        tl.store(xs, qc.to(tl.bfloat16))
+        tl.store(xs + D, kc.to(tl.bfloat16))
+        tl.store(xs + 2 * D, vc.to(tl.bfloat16))
+        tl.store(dec_ptr + th * D + offs, _decay(lower_bound, a, g_raw, dtb))
+        r4 = tl.arange(0, 4)  # q's and k's norm factors, beta (a 16-byte row)
+        tl.store(sc_ptr + th * 4 + r4, tl.where(r4 == 0, _norm_scale(qc, D, True),
+                                                tl.where(r4 == 1, _norm_scale(kc, D, False), beta)), mask=r4 < 3)
+    tl.debug_barrier()  # every conv-state read of this program is done before its taps are overwritten
+    keep = ok_d & (commit_d >= 1) & (commit_d <= Q_LEN)
+    _store_taps(cs_base, stride_cs_w, taps_q, ch, keep, W, WP)
+    _store_taps(cs_base + HD, stride_cs_w, taps_k, ch, keep, W, WP)
+    _store_taps(cs_base + 2 * HD, stride_cs_w, taps_v, ch, keep, W, WP)
+
+
+@triton.jit
+def _kda_state_kernel(
+    xs_ptr, dec_ptr, sc_ptr, g_ptr, onw_ptr, st_ptr, idx_ptr, acc_ptr, out_ptr,
+    stride_g, stride_st_s, stride_st_h, stride_out, norm_eps,
+    H: tl.constexpr, D: tl.constexpr, Q_LEN: tl.constexpr, ST_V: tl.constexpr, ST_K: tl.constexpr,
+):
+    """The split form's second launch, one program per (request, head): the delta rule over the workspace's
+    inputs and the gated RMSNorm (the fused kernel's steps 4-5).
+
+    The state is held as four [Dv, D/4] column chunks. One [Dv, D] tile would put all 32 lanes of a warp
+    along k (its contiguous axis), so each of the two reductions a token (over k) would cross 32 lanes for
+    every row a thread holds; a chunk spreads a warp over 4 rows x 8 column groups (both Triton 3.6 and 3.9
+    choose that for a 2-D tile), the chunks' products are summed in registers and each reduction crosses
+    8 lanes once."""
+    pid = tl.program_id(0)
+    b = pid // H
+    h = pid % H
+    C: tl.constexpr = D // 4
+    rows = tl.arange(0, D)  # v: the state's rows
+    cols = tl.arange(0, C)  # k within a chunk
+    onw = tl.load(onw_ptr + rows).to(tl.float32)
+    slot = tl.load(idx_ptr + b).to(tl.int64)
+    acc = tl.load(acc_ptr + b).to(tl.int32)
+    ok_d = (tl.zeros([D], tl.int64) + slot) >= 0
+    live = ok_d[:, None] & (cols[None, :] < C)
+    st = st_ptr + tl.maximum(slot, 0) * stride_st_s + h * stride_st_h + rows[:, None] * ST_V + cols[None, :] * ST_K
+    S0 = tl.load(st, mask=live, other=0.0)
+    S1 = tl.load(st + C * ST_K, mask=live, other=0.0)
+    S2 = tl.load(st + 2 * C * ST_K, mask=live, other=0.0)
+    S3 = tl.load(st + 3 * C * ST_K, mask=live, other=0.0)
+    tok0 = b * Q_LEN
+    for t in tl.range(Q_LEN, num_stages=1):
+        tok = (tok0 + t).to(tl.int64)
+        th = tok * H + h
+        xq = xs_ptr + th * (3 * D) + cols  # chunk 0 of q; k at + D, v at + 2D
+        dp = dec_ptr + th * D + cols
+        q_scale = tl.load(sc_ptr + th * 4)
+        k_scale = tl.load(sc_ptr + th * 4 + 1)
+        beta = tl.load(sc_ptr + th * 4 + 2)
+        vc = tl.load(xs_ptr + th * (3 * D) + 2 * D + rows).to(tl.float32)
+        gate = _sigmoid(tl.load(g_ptr + tok * stride_g + h * D + rows).to(tl.float32))
+        k0 = tl.load(xq + D).to(tl.float32) * k_scale
+        k1 = tl.load(xq + D + C).to(tl.float32) * k_scale
+        k2 = tl.load(xq + D + 2 * C).to(tl.float32) * k_scale
+        k3 = tl.load(xq + D + 3 * C).to(tl.float32) * k_scale
+        S0 = S0 * tl.load(dp)[None, :]
+        S1 = S1 * tl.load(dp + C)[None, :]
+        S2 = S2 * tl.load(dp + 2 * C)[None, :]
+        S3 = S3 * tl.load(dp + 3 * C)[None, :]
+        pred = tl.sum(S0 * k0[None, :] + S1 * k1[None, :] + S2 * k2[None, :] + S3 * k3[None, :], axis=1)
+        u = beta * (vc - pred)
+        S0 = S0 + u[:, None] * k0[None, :]
+        S1 = S1 + u[:, None] * k1[None, :]
+        S2 = S2 + u[:, None] * k2[None, :]
+        S3 = S3 + u[:, None] * k3[None, :]
+        q0 = tl.load(xq).to(tl.float32) * q_scale
+        q1 = tl.load(xq + C).to(tl.float32) * q_scale
+        q2 = tl.load(xq + 2 * C).to(tl.float32) * q_scale
+        q3 = tl.load(xq + 3 * C).to(tl.float32) * q_scale
+        o = tl.sum(S0 * q0[None, :] + S1 * q1[None, :] + S2 * q2[None, :] + S3 * q3[None, :], axis=1)
+        # The state as of `accepted` tokens, stored once (see the fused kernel); the address from a fresh slot load.
+        commit = live & ((tl.zeros([D, C], tl.int32) + acc) == t + 1)
+        so = (st_ptr + tl.maximum(tl.load(idx_ptr + b).to(tl.int64), 0) * stride_st_s + h * stride_st_h
+              + rows[:, None] * ST_V + cols[None, :] * ST_K)
+        tl.store(so, S0, mask=commit)
+        tl.store(so + C * ST_K, S1, mask=commit)
+        tl.store(so + 2 * C * ST_K, S2, mask=commit)
+        tl.store(so + 3 * C * ST_K, S3, mask=commit)
+        y = o * tl.rsqrt(tl.sum(o * o, axis=0) / D + norm_eps) * onw * gate
+        y = tl.where(ok_d, y, 0.0)
+        tl.store(out_ptr + tok * stride_out + h * D + rows, y.to(out_ptr.dtype.element_ty))
 
 
 def _pow2(n: int) -> bool:
@@ -295,8 +448,8 @@ def kda_decode_unsupported(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_b
 def kda_decode_core(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_bias, o_norm_w, conv_state, rec_state,
                     state_indices, accepted, q_len: int, lower_bound: float, norm_eps: float, *,
                     num_warps: int = 4, fb: int = 32, maxnreg: int | None = None,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
-    """The KDA core of one decode / verify step in one launch; mutates ``conv_state`` and ``rec_state``.
+                    out: torch.Tensor | None = None, split: bool = False) -> torch.Tensor:
+    """The KDA core of one decode / verify step (one launch; two with ``split``); mutates both states.
 
     Arguments in :class:`PreparedKda.core` order (shapes in the module docstring):
     q, k, v [T, H*D] bf16; f_a [T, F] bf16; f_b_w [H*D, F] bf16 (or None: f_a is the raw gate [T, H*D] bf16,
@@ -313,6 +466,14 @@ def kda_decode_core(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_bias, o_
     64 at decode, 1-64 requests, on Triton 3.6; verify steps too);
     ``maxnreg`` an optional register cap (more programs per SM, at the price of spills). The output taken
     before the update (``S q + u (k . q)``) was 1.29-1.35x slower at q = 4 (docs/perf_kda.md) and is gone.
+
+    ``split``: two launches instead of one. ``_kda_prep_kernel`` computes every token's conv outputs, norm
+    factors, decay and beta into a workspace (``T x H x (3 x D BF16 + D FP32 + 4 FP32)``, allocated here) and
+    writes the conv taps; ``_kda_state_kernel`` runs the delta rule and the gated RMSNorm from it, 8 warps at
+    128 registers (two programs an SM, against the fused kernel's two programs of 4 warps at 255), its token
+    loop ~645 SM90 instructions a warp against the fused loop's ~2600 (``benchmarks/sass_mix.py kda_state``).
+    Same arithmetic, other FP32 summation orders; ``num_warps`` and ``maxnreg`` are the fused kernel's. Built for verify steps, where the fused kernel's token loop
+    is ~3.3x the state traffic at 64 x q = 4 (docs/perf.md); not the default until measured on the H200.
     """
     T, HD = q.shape
     H = beta.shape[-1]
@@ -324,6 +485,10 @@ def kda_decode_core(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_bias, o_
     if out is None:
         out = torch.empty(T, HD, dtype=q.dtype, device=q.device)
     if B == 0:
+        return out
+    if split:
+        _kda_split(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_bias, o_norm_w, conv_state, rec_state,
+                   state_indices, accepted, q_len, lower_bound, norm_eps, out, fb)
         return out
     _kda_decode_kernel[(B * H,)](
         q, k, v, g_out, f_a, beta,
@@ -341,3 +506,34 @@ def kda_decode_core(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_bias, o_
         **({"maxnreg": int(maxnreg)} if maxnreg else {}),
     )
     return out
+
+
+def _kda_split(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_bias, o_norm_w, conv_state, rec_state,
+               state_indices, accepted, q_len: int, lower_bound: float, norm_eps: float, out: torch.Tensor,
+               fb: int) -> None:
+    """``kda_decode_core(split=True)``: the prep launch into a fresh workspace, then the state launch."""
+    T, HD = q.shape
+    H = beta.shape[-1]
+    D = HD // H
+    if D < 4:
+        raise ValueError(f"the split KDA core holds the state as four column chunks: head dim {D} < 4")
+    graw = f_b_w is None
+    W = conv_w.shape[-1]
+    B = T // q_len
+    xs = torch.empty(T, H, 3, D, dtype=torch.bfloat16, device=q.device)  # q, k, v conv outputs
+    dec = torch.empty(T, H, D, dtype=torch.float32, device=q.device)  # per-channel decay
+    sc = torch.empty(T, H, 4, dtype=torch.float32, device=q.device)  # q / k norm factors, beta, (unused)
+    _kda_prep_kernel[(B * H,)](
+        q, k, v, f_a, beta, f_a if graw else f_b_w, conv_w, A_log, dt_bias, conv_state, state_indices, accepted,
+        xs, dec, sc,
+        q.stride(0), k.stride(0), v.stride(0), f_a.stride(0), beta.stride(0), 0 if graw else f_b_w.stride(0),
+        conv_w.stride(0), conv_w.stride(1), conv_state.stride(0), conv_state.stride(1), float(lower_bound),
+        H=H, D=D, F=1 if graw else f_a.shape[-1], W=W, WP=triton.next_power_of_2(W), Q_LEN=int(q_len),
+        FB=min(1 if graw else f_a.shape[-1], fb), GRAW=graw, num_warps=4,
+    )
+    _kda_state_kernel[(B * H,)](
+        xs, dec, sc, g_out, o_norm_w, rec_state, state_indices, accepted, out,
+        g_out.stride(0), rec_state.stride(0), rec_state.stride(1), out.stride(0), float(norm_eps),
+        H=H, D=D, Q_LEN=int(q_len), ST_V=rec_state.stride(2), ST_K=rec_state.stride(3),
+        **STATE_LAUNCH,
+    )
