@@ -76,6 +76,7 @@ import dep_ranks  # noqa: E402
 from roofline import local_ids, step_roofline  # noqa: E402
 
 import dep_compile  # noqa: E402
+from dep_compile import tactics  # noqa: E402
 from dep_compile.debug.parity import decisive_routing, record_routing, routing_agreement  # noqa: E402
 from dep_compile.stock import KimiCache, RequestBatch, preset, tile_experts_  # noqa: E402
 from dep_compile.stock.cache import max_cache_difference  # noqa: E402
@@ -452,6 +453,9 @@ def parse_args(argv=None):
     ap.add_argument("--attn-res-ahead", action="store_true",
                     help="kimi_dep option attn_res_ahead: each AttnRes point's bank part computed a point early, on a "
                          "side stream")
+    ap.add_argument("--kda-split-from", type=int, default=None, metavar="Q",
+                    help="tactic KDA_SPLIT_FROM_Q: kimi_dep's KDA core in two launches (prep + state) at steps of Q or "
+                         "more tokens a request (default: the tactic table's)")
     ap.add_argument("--profile", action="store_true", help="per-kernel breakdown at --profile-point")
     ap.add_argument("--profile-point", type=int, nargs=3, default=[64, 1, 4096], metavar=("ROWS", "Q", "CTX"))
     ap.add_argument("--device", default="cuda")
@@ -461,6 +465,17 @@ def parse_args(argv=None):
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
+    table = tactics.KDA_SPLIT_FROM_Q
+    if args.kda_split_from is not None:  # this run's tactic, restored after it
+        tactics.KDA_SPLIT_FROM_Q = args.kda_split_from
+    try:
+        return run(args, argv)
+    finally:
+        tactics.KDA_SPLIT_FROM_Q = table
+
+
+def run(args: argparse.Namespace, argv=None) -> list[dict]:
+    """The benchmark of ``main``'s parsed arguments (``argv``: the command line it records)."""
     device = torch.device(args.device)
     rank, ranks = dep_ranks.world()
     if ranks > 1:
@@ -497,6 +512,7 @@ def main(argv=None) -> list[dict]:
     meta = dict(memory=memory, preset=cfg.name, layers=args.layers, experts=experts, experts_format=cfg.experts_format,
                 dense_format=cfg.dense_format, latent_cache=cfg.latent_cache_dtype, local_experts=args.local_experts,
                 experts_layout=args.experts_layout, attn_res_ahead=args.attn_res_ahead,
+                kda_split_from=tactics.KDA_SPLIT_FROM_Q,
                 ep=ranks, decisive=args.decisive,
                 link_bps=args.link_bps,
                 command="python benchmarks/bench_decoder.py " + " ".join(sys.argv[1:] if argv is None else argv))

@@ -101,6 +101,16 @@ DEP_DENSE_FP8: dict[tuple[int, int], dict[int, Tactic]] = {
     (7168, 3584): {64: SplitK(1, 64, 256, 4, 4)},
 }
 
+# The KDA core's form by a step's tokens a request (``ops/kda_triton.kda_decode_core``): the one-launch fused kernel,
+# or, from this many tokens up, its two launches (prep + state, ``split``). None: the fused kernel at every q_len; the
+# split form is built and checked but not yet timed on the GPU (docs/perf.md, "The KDA core in two launches").
+KDA_SPLIT_FROM_Q: int | None = None
+
+
+def kda_split(q_len: int) -> bool:
+    """Whether a KDA core call of ``q_len`` tokens a request runs the split form (``KDA_SPLIT_FROM_Q``)."""
+    return KDA_SPLIT_FROM_Q is not None and q_len >= KDA_SPLIT_FROM_Q
+
 
 def lookup(table: TacticTable, rows: int) -> Tactic:
     """The tactic a table names for a batch of ``rows`` rows (cuBLAS past the last bin)."""

@@ -212,6 +212,35 @@ def test_prepared_kda_core_routes_to_kernel_and_falls_back(caplog):
     assert len(warnings) == 1 and why in warnings[0], warnings  # q_len 2: none; q_len 9 twice: logged once
 
 
+@pytest.mark.skipif(_DEV == "cpu", reason="routing needs CUDA tensors")
+def test_prepared_kda_core_takes_the_split_form_from_its_tactic(monkeypatch):
+    """PreparedKda.core runs the split form at steps of ``tactics.KDA_SPLIT_FROM_Q`` or more tokens a request and
+    the fused kernel below, each matching the reference."""
+    kt = _kt()
+    from dep_compile import tactics  # noqa: PLC0415
+    from dep_compile.ops.kda import PreparedKda  # noqa: PLC0415
+
+    forms, launch = [], kt.kda_decode_core
+
+    def spy(*args, split=False, **kw):
+        forms.append(split)
+        return launch(*args, split=split, **kw)
+
+    monkeypatch.setattr(kt, "kda_decode_core", spy)
+    monkeypatch.setattr(tactics, "KDA_SPLIT_FROM_Q", 2)
+    H, D, Fr = SIZES["small"]
+    prep = PreparedKda(heads=H, head_dim=D, f_rank=Fr, lower_bound=LOWER_BOUND, norm_eps=NORM_EPS,
+                       in_proj=None, o_proj=None)
+    for q_len in (1, 2, 4):
+        c = make_case(H, D, Fr, 4, q_len, seed=15 + q_len, device=_DEV)
+        ref = reference(c, q_len)
+        out = prep.core(c["q"], c["k"], c["v"], c["f_a"], c["f_b_w"], c["beta"], c["g_out"], c["conv_w"], c["A_log"],
+                        c["dt_bias"], c["o_norm_w"], c["conv_state"], c["rec_state"], c["state_indices"],
+                        c["accepted"], q_len)
+        check(c, q_len, out, ref)
+    assert forms == [False, True, True]
+
+
 @FORMS
 @pytest.mark.skipif(_DEV == "cpu", reason="CUDA graphs")
 def test_kda_decode_core_graph_capture(split):

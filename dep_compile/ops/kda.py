@@ -7,6 +7,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
+from .. import tactics
 from ..stock import ops as stock_ops
 from .dense import Fp8Weight, dense_linear, dense_weight
 from .fallbacks import log_fallback
@@ -31,7 +32,8 @@ class PreparedKda:
              state_indices, accepted, q_len: int) -> Tensor:
         """The KDA core with the F_B gate computed inside it: [T, H*D] BF16.
 
-        CUDA: the one-launch Triton decode core (conv, F_B gate, norms, delta rule, gated RMSNorm).
+        CUDA: the one-launch Triton decode core (conv, F_B gate, norms, delta rule, gated RMSNorm), or its
+        two launches where ``tactics.kda_split`` says so.
         A call it does not support (q_len > 8, odd shapes or strides; decided from metadata, no
         sync) runs the stock op instead (on CUDA its graph-capturable kernels), after F_B as a
         linear, and the reason is logged once per process; states the stock CUDA op cannot
@@ -49,7 +51,8 @@ class PreparedKda:
                                          rec_state, state_indices, accepted, q_len)
             if why is None:
                 return kda_decode_core(q, k, v, f_a, f_b_w, beta, g, conv_w, A_log, dt_bias, o_norm_w, conv_state,
-                                       rec_state, state_indices, accepted, q_len, self.lower_bound, self.norm_eps)
+                                       rec_state, state_indices, accepted, q_len, self.lower_bound, self.norm_eps,
+                                       split=tactics.kda_split(q_len))
             log_fallback("KDA", why, "the stock KDA core op")
         g_raw = f_a if f_b_w is None else dense_linear(f_a, f_b_w)  # [T, H*D] BF16, as stock's f_b_proj
         return stock_ops.kda_core(q, k, v, g_raw, beta, g, conv_w, A_log, dt_bias, o_norm_w, conv_state, rec_state,
