@@ -8,8 +8,11 @@ given ``part_in = k`` (joining that stream) merges the part with its prefix inst
 runs beside the sublayer between the two points. The pass links consecutive points of one graph
 (``passes/attn_res.py``); the part is handed over in ``_PARTS`` with the identity of what it was computed from
 (bank, query, eps, schedule), which the taker checks (else it reads the bank, logged); that the bank's contents did
-not change in between is the pass's check. CPU: the same split in torch (``bank_part_ref``, ``merge_part_ref``),
-within one BF16 rounding of the stock composition, which an unlinked point computes exactly.
+not change in between is the pass's check. On CUDA the merge is within one BF16 rounding of the stock composition
+(``merge_part_ref`` is the kernel's reference). On the CPU a linked point computes the stock composition exactly, as
+every kimi_dep op there does, and checks the part it was handed instead of using it: recomputed from the bank at
+the taker (``bank_part_ref``), it must be bit-equal, else the bank changed between the two points, a link the pass
+should have refused, and that is logged.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..stock import ops as stock_ops
-from ..stock.reference.attn_res import advance_prefix_ref, attn_res_ref, bank_part_ref, empty_bank_part, merge_part_ref
+from ..stock.reference.attn_res import attn_res_ref, bank_part_ref, empty_bank_part
 from .fallbacks import log_fallback
 from .streams import side_stream
 
@@ -76,6 +79,14 @@ def _take(link: int, bank: Tensor, query: Tensor, eps: float, num_blocks: int, w
     return part
 
 
+def _check_fresh(link: int, part: Tensor, bank: Tensor, query: Tensor, eps: float, num_blocks: int,
+                 write_slot: int) -> None:
+    """CPU: log a bank part that differs from the one this point's bank gives now (the bank changed after it)."""
+    if not torch.equal(part, bank_part_ref(bank, query, eps, num_blocks, write_slot)):
+        log_fallback("AttnRes", f"bank part {link} is stale: the bank changed after the point before computed it (a "
+                                "link the pass should have refused)", "the bank rows")
+
+
 @torch.library.custom_op("kimi_dep::attn_res_norm", mutates_args=("prefix", "bank"))
 def attn_res_norm(
     prefix: Tensor, bank: Tensor, delta: Tensor, query: Tensor, norm_weight: Tensor, eps: float, num_blocks: int,
@@ -88,8 +99,9 @@ def attn_res_norm(
     query, norm_weight: [D]. Returns the normalized mix [T, D] BF16 (the mix itself is not kept).
     CUDA: one Triton launch (``stock.attn_res_cuda.attn_res_norm_cuda``); a call it cannot take runs
     the stock op and the norm, logged once. CPU: the stock reference, then stock's RMSNorm.
-    Links (module docstring): ``part_in`` >= 0 takes this point's bank part from the point before;
-    ``part_out`` >= 0 computes the next point's (``next_query``, ``next_num_blocks``, ``next_write_slot``).
+    Links (module docstring): ``part_in`` >= 0 takes this point's bank part from the point before (on the CPU:
+    checks it); ``part_out`` >= 0 computes the next point's (``next_query``, ``next_num_blocks``,
+    ``next_write_slot``).
     """
     part = _take(part_in, bank, query, eps, num_blocks, write_slot) if part_in >= 0 else None
     y = None
@@ -103,10 +115,9 @@ def attn_res_norm(
         else:
             log_fallback("AttnRes", why, "the stock AttnRes op and RMSNorm")
             h = stock_ops.attn_res(prefix, bank, delta, query, eps, num_blocks, write_slot)
-    elif part is not None:  # the CUDA kernel's split, in torch
-        advance_prefix_ref(prefix, bank, delta, write_slot)
-        h = merge_part_ref(prefix, part, query, eps, num_blocks, write_slot)
     else:
+        if part is not None:  # before the point writes its slot (which the part leaves out)
+            _check_fresh(part_in, part, bank, query, eps, num_blocks, write_slot)
         h = attn_res_ref(prefix, bank, delta, query, eps, num_blocks, write_slot)
     if y is None:  # stock's RMSNorm module (dep_compile.stock.layers.RMSNorm), written the same way
         y = F.rms_norm(h.float(), (h.shape[-1],), norm_weight.float(), norm_eps).to(h.dtype)

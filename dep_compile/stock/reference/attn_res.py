@@ -10,13 +10,6 @@ from .common import rms_norm
 PART_EXTRA = 4  # FP32 words after a bank part's mix: its max and sum, then padding (16-byte rows)
 
 
-def advance_prefix_ref(prefix: torch.Tensor, bank: torch.Tensor, delta: torch.Tensor, write_slot: int) -> None:
-    """Steps 1-2 of an AttnRes point: prefix += delta, rounded to its dtype in place; bank[write_slot] = prefix."""
-    prefix.copy_((prefix.float() + delta.float()).to(prefix.dtype))
-    if write_slot >= 0:
-        bank[write_slot].copy_(prefix)
-
-
 def empty_bank_part(bank: torch.Tensor) -> torch.Tensor:
     """An uninitialized bank part for ``bank`` [NB, T, D]: [T, D + PART_EXTRA] FP32 on its device."""
     _, T, D = bank.shape
@@ -37,7 +30,9 @@ def attn_res_ref(
     3. sources = bank[:num_blocks] + [prefix]; logits = RMSNorm(source) . query (FP32);
        returns sum softmax(logits) * source (un-normalized sources), BF16 [T, D].
     """
-    advance_prefix_ref(prefix, bank, delta, write_slot)
+    prefix.copy_((prefix.float() + delta.float()).to(prefix.dtype))
+    if write_slot >= 0:
+        bank[write_slot].copy_(prefix)
     sources = torch.cat([bank[:num_blocks], prefix.unsqueeze(0)], 0).float()  # [n, T, D]
     logits = (rms_norm(sources, None, eps) * query.float()).sum(-1)  # [n, T]
     weights = torch.softmax(logits, 0).unsqueeze(-1)
