@@ -109,6 +109,29 @@ def _store_taps(cs_base, stride_cs_w, win, ch, keep, W: tl.constexpr, WP: tl.con
 
 
 @triton.jit
+def _token_conv(cs_base, stride_cs_w, q_ptr, stride_q, k_ptr, stride_k, v_ptr, stride_v, tok0, t, ch, ok, commit,
+                taps_q, taps_k, taps_v, cw_q, cw_k, cw_v, HD: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
+    """Token ``t``'s conv + SiLU outputs of q, k and v (``_conv_silu`` of its ``_window`` tiles), and the taps
+    kept so far with its windows taken where ``commit`` ([D] bool: it is the committed token)."""
+    win_q = _window(cs_base, stride_cs_w, q_ptr, stride_q, tok0, t, ch, ok, W, WP)
+    win_k = _window(cs_base + HD, stride_cs_w, k_ptr, stride_k, tok0, t, ch, ok, W, WP)
+    win_v = _window(cs_base + 2 * HD, stride_cs_w, v_ptr, stride_v, tok0, t, ch, ok, W, WP)
+    taps_q = tl.where(commit[None, :], win_q, taps_q)
+    taps_k = tl.where(commit[None, :], win_k, taps_k)
+    taps_v = tl.where(commit[None, :], win_v, taps_v)
+    return _conv_silu(win_q, cw_q), _conv_silu(win_k, cw_k), _conv_silu(win_v, cw_v), taps_q, taps_k, taps_v
+
+
+@triton.jit
+def _store_new_taps(cs_base, stride_cs_w, taps_q, taps_k, taps_v, ch, keep, HD: tl.constexpr, W: tl.constexpr,
+                    WP: tl.constexpr):
+    """The committed token's taps of q, k and v as the new conv state (``_store_taps``), where ``keep``."""
+    _store_taps(cs_base, stride_cs_w, taps_q, ch, keep, W, WP)
+    _store_taps(cs_base + HD, stride_cs_w, taps_k, ch, keep, W, WP)
+    _store_taps(cs_base + 2 * HD, stride_cs_w, taps_v, ch, keep, W, WP)
+
+
+@triton.jit
 def _gates(fa_ptr, stride_fa, beta_ptr, stride_beta, tok, h, fbw_ptr, stride_fbw, ch, D: tl.constexpr,
            F: tl.constexpr, FB: tl.constexpr, GRAW: tl.constexpr):
     """Token ``tok``'s raw decay gate for channels ``ch`` and head ``h``'s beta: (``f_a[tok] @
@@ -220,16 +243,10 @@ def _kda_decode_kernel(
     # Decode runs it once, not pipelined.
     for t in tl.range(Q_LEN, num_stages=2):
         tok = (tok0 + t).to(tl.int64)
-        win_q = _window(cs_base, stride_cs_w, q_ptr, stride_q, tok0, t, ch, ok, W, WP)
-        win_k = _window(cs_base + HD, stride_cs_w, k_ptr, stride_k, tok0, t, ch, ok, W, WP)
-        win_v = _window(cs_base + 2 * HD, stride_cs_w, v_ptr, stride_v, tok0, t, ch, ok, W, WP)
         commit = commit_d == t + 1  # [D]: this token's state (and taps) are the committed ones
-        taps_q = tl.where(commit[None, :], win_q, taps_q)
-        taps_k = tl.where(commit[None, :], win_k, taps_k)
-        taps_v = tl.where(commit[None, :], win_v, taps_v)
-        qc = _conv_silu(win_q, cw_q)
-        kc = _conv_silu(win_k, cw_k)
-        vc = _conv_silu(win_v, cw_v)
+        qc, kc, vc, taps_q, taps_k, taps_v = _token_conv(cs_base, stride_cs_w, q_ptr, stride_q, k_ptr, stride_k, v_ptr,
+                                                         stride_v, tok0, t, ch, ok, commit, taps_q, taps_k, taps_v,
+                                                         cw_q, cw_k, cw_v, HD, W, WP)
         qn = qc * _norm_scale(qc, D, True)
         kn = kc * _norm_scale(kc, D, False)
 
@@ -263,10 +280,8 @@ def _kda_decode_kernel(
     # commits no token: both states stay as they were (as the reference; counts above Q_LEN are
     # outside the contract and leave them too).
     tl.debug_barrier()
-    keep = ok_d & (commit_d >= 1) & (commit_d <= Q_LEN)
-    _store_taps(cs_base, stride_cs_w, taps_q, ch, keep, W, WP)
-    _store_taps(cs_base + HD, stride_cs_w, taps_k, ch, keep, W, WP)
-    _store_taps(cs_base + 2 * HD, stride_cs_w, taps_v, ch, keep, W, WP)
+    _store_new_taps(cs_base, stride_cs_w, taps_q, taps_k, taps_v, ch, ok_d & (commit_d >= 1) & (commit_d <= Q_LEN),
+                    HD, W, WP)
 
 
 @triton.jit
@@ -300,16 +315,9 @@ def _kda_prep_kernel(
     tok0 = b * Q_LEN
     for t in tl.range(Q_LEN, num_stages=2):
         tok = (tok0 + t).to(tl.int64)
-        win_q = _window(cs_base, stride_cs_w, q_ptr, stride_q, tok0, t, ch, ok, W, WP)
-        win_k = _window(cs_base + HD, stride_cs_w, k_ptr, stride_k, tok0, t, ch, ok, W, WP)
-        win_v = _window(cs_base + 2 * HD, stride_cs_w, v_ptr, stride_v, tok0, t, ch, ok, W, WP)
-        commit = commit_d == t + 1
-        taps_q = tl.where(commit[None, :], win_q, taps_q)
-        taps_k = tl.where(commit[None, :], win_k, taps_k)
-        taps_v = tl.where(commit[None, :], win_v, taps_v)
-        qc = _conv_silu(win_q, cw_q)
-        kc = _conv_silu(win_k, cw_k)
-        vc = _conv_silu(win_v, cw_v)
+        qc, kc, vc, taps_q, taps_k, taps_v = _token_conv(cs_base, stride_cs_w, q_ptr, stride_q, k_ptr, stride_k, v_ptr,
+                                                         stride_v, tok0, t, ch, ok, commit_d == t + 1, taps_q, taps_k,
+                                                         taps_v, cw_q, cw_k, cw_v, HD, W, WP)
         g_raw, beta = _gates(fa_ptr, stride_fa, beta_ptr, stride_beta, tok, h, fbw_ptr, stride_fbw, ch, D, F, FB,
                              GRAW)
         th = tok * H + h  # the workspace row of (token, head)
@@ -322,10 +330,8 @@ def _kda_prep_kernel(
         tl.store(sc_ptr + th * 4 + r4, tl.where(r4 == 0, _norm_scale(qc, D, True),
                                                 tl.where(r4 == 1, _norm_scale(kc, D, False), beta)), mask=r4 < 3)
     tl.debug_barrier()  # every conv-state read of this program is done before its taps are overwritten
-    keep = ok_d & (commit_d >= 1) & (commit_d <= Q_LEN)
-    _store_taps(cs_base, stride_cs_w, taps_q, ch, keep, W, WP)
-    _store_taps(cs_base + HD, stride_cs_w, taps_k, ch, keep, W, WP)
-    _store_taps(cs_base + 2 * HD, stride_cs_w, taps_v, ch, keep, W, WP)
+    _store_new_taps(cs_base, stride_cs_w, taps_q, taps_k, taps_v, ch, ok_d & (commit_d >= 1) & (commit_d <= Q_LEN),
+                    HD, W, WP)
 
 
 @triton.jit
