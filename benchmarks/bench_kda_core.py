@@ -15,7 +15,8 @@ request accepting a random 1..q of its tokens) at B in {1, 4, 16, 64} requests. 
    rotation (a request's q tokens one sequence). fla's kernel covers the recurrence only (no conv, no F_B GEMM,
    no gated norm).
 
-Reported: µs per launch, state traffic TB/s (state read + written: 2 x 6 MiB per request),
+Reported: µs per launch (the split form: both launches), state traffic TB/s (state read + written: 2 x 6 MiB per
+request; the split form's workspace, 2 x 1296 bytes a token a head, is not counted),
 all-bytes TB/s (state + f_b_w + conv state + inputs/outputs), the state floor at 4.33 TB/s.
 Writes ``kda_core.json`` and the plot ``kda_core.png`` to ``--out`` (default ``$OUT`` or ``.``).
 

@@ -103,7 +103,8 @@ DEP_DENSE_FP8: dict[tuple[int, int], dict[int, Tactic]] = {
 
 # The KDA core's form by a step's tokens a request (``ops/kda_triton.kda_decode_core``): the one-launch fused kernel,
 # or, from this many tokens up, its two launches (prep + state, ``split``). None: the fused kernel at every q_len; the
-# split form is built and checked but not yet timed on the GPU (docs/perf.md, "The KDA core in two launches").
+# split form is built and checked but not yet timed on the GPU (docs/perf.md, "The KDA core in two launches"). Read
+# when the op runs: a CUDA graph keeps the form it was captured with.
 KDA_SPLIT_FROM_Q: int | None = None
 
 

@@ -18,12 +18,13 @@ from dep_compile.stock import preset  # noqa: E402
 
 
 def test_smoke_run_writes_every_output(tmp_path):
+    table = tactics.KDA_SPLIT_FROM_Q
     points = bd.main(["--device", "cpu", "--preset", "k31-small", "--layers", "4", "--rows", "2", "--q", "1", "2",
                       "--context", "24", "--block-size", "4", "--kda-split-from", "2", "--out", str(tmp_path)])
     assert [p.get("error") for p in points] == [None, None]
     data = json.loads((tmp_path / "decoder.json").read_text())
     assert data["layers"] == 4 and len(data["points"]) == 2 and "env" in data
-    assert data["kda_split_from"] == 2 and tactics.KDA_SPLIT_FROM_Q is None  # recorded; the table's value restored
+    assert data["kda_split_from"] == 2 and tactics.KDA_SPLIT_FROM_Q == table  # recorded; the table's value restored
     for p in data["points"]:
         # on CPU kimi_dep (pattern-only, cuBLAS tactics) runs stock's references: exact, same routing
         assert p["kimi_dep_rel_err"] == 0.0 and p["kimi_dep_routing"] == 1.0, p

@@ -212,6 +212,19 @@ def test_prepared_kda_core_routes_to_kernel_and_falls_back(caplog):
     assert len(warnings) == 1 and why in warnings[0], warnings  # q_len 2: none; q_len 9 twice: logged once
 
 
+def test_kda_split_form_runs_its_own_launches(monkeypatch):
+    """The split form runs the prep and state kernels, not the fused one (a split silently dropped would pass every
+    other split case), and names the heads its state launch cannot hold."""
+    kt = _kt()
+    H, D, Fr = SIZES["small"]
+    c = make_case(H, D, Fr, 4, 2, seed=91, device=_DEV)
+    ref = reference(c, 2)
+    monkeypatch.setattr(kt, "_kda_decode_kernel", None)
+    check(c, 2, run_kernel(kt, c, 2, split=True), ref)
+    assert kt.split_unsupported(D) is None and kt.split_unsupported(128) is None
+    assert "256" in kt.split_unsupported(256) and "2 " in kt.split_unsupported(2)
+
+
 @pytest.mark.skipif(_DEV == "cpu", reason="routing needs CUDA tensors")
 def test_prepared_kda_core_takes_the_split_form_from_its_tactic(monkeypatch):
     """PreparedKda.core runs the split form at steps of ``tactics.KDA_SPLIT_FROM_Q`` or more tokens a request and

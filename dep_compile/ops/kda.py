@@ -33,7 +33,7 @@ class PreparedKda:
         """The KDA core with the F_B gate computed inside it: [T, H*D] BF16.
 
         CUDA: the one-launch Triton decode core (conv, F_B gate, norms, delta rule, gated RMSNorm), or its
-        two launches where ``tactics.kda_split`` says so.
+        two launches where ``tactics.kda_split`` says so and the head fits them (else the one launch).
         A call it does not support (q_len > 8, odd shapes or strides; decided from metadata, no
         sync) runs the stock op instead (on CUDA its graph-capturable kernels), after F_B as a
         linear, and the reason is logged once per process; states the stock CUDA op cannot
@@ -45,14 +45,14 @@ class PreparedKda:
         if isinstance(f_b_w, Fp8Weight):  # F_B as stock's FP8 linear; the core reads the raw gate
             f_a, f_b_w = dense_linear(f_a, f_b_w), None
         if q.is_cuda:
-            from .kda_triton import kda_decode_core, kda_decode_unsupported
+            from .kda_triton import kda_decode_core, kda_decode_unsupported, split_unsupported
 
             why = kda_decode_unsupported(q, k, v, f_a, f_b_w, beta, g, conv_w, A_log, dt_bias, o_norm_w, conv_state,
                                          rec_state, state_indices, accepted, q_len)
             if why is None:
                 return kda_decode_core(q, k, v, f_a, f_b_w, beta, g, conv_w, A_log, dt_bias, o_norm_w, conv_state,
                                        rec_state, state_indices, accepted, q_len, self.lower_bound, self.norm_eps,
-                                       split=tactics.kda_split(q_len))
+                                       split=tactics.kda_split(q_len) and split_unsupported(self.head_dim) is None)
             log_fallback("KDA", why, "the stock KDA core op")
         g_raw = f_a if f_b_w is None else dense_linear(f_a, f_b_w)  # [T, H*D] BF16, as stock's f_b_proj
         return stock_ops.kda_core(q, k, v, g_raw, beta, g, conv_w, A_log, dt_bias, o_norm_w, conv_state, rec_state,

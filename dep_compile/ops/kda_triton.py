@@ -1,4 +1,4 @@
-"""Triton KDA decode core (SM90): one launch per layer step.
+"""Triton KDA decode core (SM90): one launch per layer step (or two: the split form, at the end).
 
 One program per (request, head) runs the whole KDA core of that head for all ``q_len`` tokens
 of the request, with the head's FP32 recurrent state ``[Dv, Dk]`` (128 x 128 = 64 KiB at full
@@ -52,6 +52,11 @@ Supported: ``q_len <= MAX_Q_LEN`` (8), power-of-two ``D`` and ``F``, ``W <= 8``
 (:func:`kda_decode_unsupported` says why a call is not supported; ``PreparedKda.core`` then
 runs the stock KDA core op and logs the reason once).
 
+The split form (``kda_decode_core(split=True)``, where ``tactics.kda_split`` says so) runs steps 1-3 in
+``_kda_prep_kernel`` into a workspace it allocates (T x H x 1296 bytes at D = 128; under a CUDA graph in the
+graph's pool), then steps 4-5 in ``_kda_state_kernel``; it holds a head's state in 8 warps at 128 registers, so
+it takes ``4 <= D <= 128`` (:func:`split_unsupported`).
+
 The module imports Triton at import time: import it only where CUDA and Triton exist.
 """
 
@@ -63,7 +68,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["kda_decode_core", "kda_decode_unsupported", "MAX_Q_LEN"]
+__all__ = ["kda_decode_core", "kda_decode_unsupported", "split_unsupported", "MAX_Q_LEN"]
 
 MAX_Q_LEN = 8
 STATE_LAUNCH = {"num_warps": 8, "maxnreg": 128}  # the split form's state launch: two programs an SM
@@ -411,6 +416,14 @@ def _pow2(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
 
 
+def split_unsupported(head_dim: int) -> str | None:
+    """Why the split form cannot run a head of ``head_dim`` (None: it can): four column chunks of the state, in 8
+    warps at 128 registers (64 state values a thread at D = 128)."""
+    if not 4 <= head_dim <= 128:
+        return f"head dim {head_dim} not in 4..128 (the split form's state launch: 8 warps at 128 registers)"
+    return None
+
+
 def kda_decode_unsupported(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_bias, o_norm_w, conv_state,
                            rec_state, state_indices, accepted, q_len: int) -> str | None:
     """Why :func:`kda_decode_core` cannot run this call (None: it can). Shapes/strides only, no sync."""
@@ -478,7 +491,8 @@ def kda_decode_core(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_bias, o_
     writes the conv taps; ``_kda_state_kernel`` runs the delta rule and the gated RMSNorm from it, 8 warps at
     128 registers (two programs an SM, against the fused kernel's two programs of 4 warps at 255), its token
     loop ~645 SM90 instructions a warp against the fused loop's ~2600 (``benchmarks/sass_mix.py kda_state``).
-    Same arithmetic, other FP32 summation orders; ``num_warps`` and ``maxnreg`` are the fused kernel's. Built for verify steps, where the fused kernel's token loop
+    Same arithmetic, other FP32 summation orders; ``num_warps`` and ``maxnreg`` apply to the fused kernel only (the
+    split form's launches have their own). ``split`` needs :func:`split_unsupported` to be None. Built for verify steps, where the fused kernel's token loop
     is ~3.3x the state traffic at 64 x q = 4 (docs/perf.md); not the default until measured on the H200.
     """
     T, HD = q.shape
@@ -521,8 +535,9 @@ def _kda_split(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_bias, o_norm_
     T, HD = q.shape
     H = beta.shape[-1]
     D = HD // H
-    if D < 4:
-        raise ValueError(f"the split KDA core holds the state as four column chunks: head dim {D} < 4")
+    why = split_unsupported(D)
+    if why is not None:
+        raise ValueError(f"the split KDA core: {why}")
     graw = f_b_w is None
     W = conv_w.shape[-1]
     B = T // q_len
