@@ -122,6 +122,18 @@ def test_a_stale_bank_part_is_logged_on_the_cpu():
         assert not op_module._PARTS
 
 
+def test_a_point_left_no_part_logs_it():
+    """A linked point whose giver left nothing under its link (a giver that never ran) says so and reads its bank."""
+    x = _inputs(3, 64, 3, seed=5)
+    p, b = x["prefix"].clone(), x["bank"].clone()
+    with fallback_log() as logged:
+        got = torch.ops.kimi_dep.attn_res_norm(p, b, x["deltas"][0], x["query"], x["norm_w"], EPS, 2, -1, NORM_EPS,
+                                               part_in=3)
+    ref = attn_res_ref(x["prefix"].clone(), x["bank"].clone(), x["deltas"][0], x["query"], EPS, 2, -1)
+    assert torch.equal(got, F.rms_norm(ref.float(), (64,), x["norm_w"].float(), NORM_EPS).to(BF16))
+    assert [m for m in logged if "no bank part was left under link 3" in m] == list(logged) and logged, logged
+
+
 # ---- CPU: the pass on whole decoders ------------------------------------------------------------
 
 AHEAD = {"attn_res_ahead": True}

@@ -391,6 +391,27 @@ def test_fp8_weights_load_into_the_model_packed(tmp_path):
         model.load_weights({**tensors, f"{q_b}_inv": torch.ones(1, 2)}.items())
 
 
+def test_attn_res_ahead_in_the_engine(tmp_path):
+    """Option attn_res_ahead in a real engine (k31-small): the pass links every two consecutive fused AttnRes points
+    of the graph (CPU: no CUDA-graph partition point), every part is taken and found fresh (a linked point on the
+    CPU computes stock's composition and checks its part against its bank), and the engine's tokens and
+    log-probabilities are those of the engine without the option, to the bit."""
+    d = make_checkpoint("k31-small", tmp_path / "ckpt", seed=0)
+    runs = {}
+    for name, extra in (("plain", []), ("ahead", ["--attn-res-ahead"])):
+        dump = tmp_path / f"dump_{name}"
+        res, log = run_engine(d, "pass", tmp_path / f"{name}.json", "--dump", str(dump), *extra)
+        (report,) = [json.loads(r.read_text()) for r in dump.glob("*.report.json")]
+        runs[name] = res, log, report
+    (plain, _, plain_rep), (ahead, log, rep) = runs["plain"], runs["ahead"]
+    fused = sum(p["rewritten"] for p in rep["points"])
+    assert fused == len(rep["points"]) > 2 and rep["points_linked"] == fused - 1, rep["link_refusals"]
+    assert plain_rep["points_linked"] == 0 and not rep["link_refusals"]
+    reasons = ("no bank part was left", "is stale", "was never taken", "from other inputs")  # ops/attn_res.py's logs
+    assert not any(why in log for why in reasons), log[-3000:]  # every part given, taken and fresh
+    assert ahead["tokens"] == plain["tokens"] and ahead["logprobs"] == plain["logprobs"]
+
+
 def test_zero_match_warns_in_the_engine(tmp_path):
     """A model vLLM compiles whose graph holds no kimi_k3 op (a tiny Llama), with the pass on: the
     engine's log says why nothing was rewritten and how to select the dep_compile model, once."""

@@ -31,7 +31,7 @@ PROMPTS = [[5, 6, 7], list(range(10, 22)), [300, 301, 302, 303, 304, 305, 306], 
 
 
 def engine(model: str, mode: str, dump: str | None, hf_overrides: dict | None = None, kinds: str | None = None,
-           budgets: dict | None = None, expert_parallel: bool = False):
+           budgets: dict | None = None, expert_parallel: bool = False, attn_res_ahead: bool = False):
     from vllm import LLM
 
     if mode == "eager":
@@ -41,7 +41,8 @@ def engine(model: str, mode: str, dump: str | None, hf_overrides: dict | None = 
 
         cc = {"mode": 3}
         if mode == "pass":
-            opts = {**({"dump_dir": dump} if dump else {}), **({"kinds": tuple(kinds.split(","))} if kinds else {})}
+            opts = {**({"dump_dir": dump} if dump else {}), **({"kinds": tuple(kinds.split(","))} if kinds else {}),
+                    **({"attn_res_ahead": True} if attn_res_ahead else {})}
             cc.update(compilation_config(opts or None))
     return LLM(model=model, dtype="bfloat16", max_model_len=64, compilation_config=cc, enforce_eager=mode == "eager",
                seed=0, hf_overrides=hf_overrides, enable_expert_parallel=expert_parallel, **(budgets or {}))
@@ -95,7 +96,7 @@ def generate(args, which: list[int], expert_parallel: bool = False) -> dict:
     hf = {"architectures": [args.hf_architecture]} if args.hf_architecture else None
     budgets = {k: v for k, v in (("max_num_batched_tokens", args.max_num_batched_tokens),
                                  ("max_num_seqs", args.max_num_seqs)) if v is not None}
-    llm = engine(args.model, args.mode, args.dump, hf, args.kinds, budgets, expert_parallel)
+    llm = engine(args.model, args.mode, args.dump, hf, args.kinds, budgets, expert_parallel, args.attn_res_ahead)
     try:
         return outputs(llm, args, which, expert_parallel)
     finally:
@@ -180,6 +181,7 @@ def main() -> None:
     ap.add_argument("--uneven", action="store_true")
     ap.add_argument("--dp", type=int, default=1, help="DP ranks with expert parallelism (DEP), one process each")
     ap.add_argument("--kinds", default=None, help="kimi_dep option kinds, comma-separated (default: all)")
+    ap.add_argument("--attn-res-ahead", action="store_true", help="kimi_dep option attn_res_ahead")
     ap.add_argument("--hf-architecture", default=None, help="hf_overrides architectures (e.g. vLLM's own K3)")
     ap.add_argument("--no-amx", action="store_true", help="vLLM's CPU platform sees no AMX")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)

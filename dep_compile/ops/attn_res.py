@@ -68,8 +68,13 @@ def _give(link: int, bank: Tensor, query: Tensor, eps: float, num_blocks: int, w
 
 def _take(link: int, bank: Tensor, query: Tensor, eps: float, num_blocks: int, write_slot: int) -> Tensor | None:
     """The bank part the point before left under ``link`` (joining the side stream), or None (then the bank is
-    read): none was left, or it was computed from other inputs."""
-    part, key = _PARTS.pop((bank.device, link), (None, None))
+    read): the point before could not compute it (logged there), left none (logged), or computed it from other
+    inputs (logged)."""
+    entry = _PARTS.pop((bank.device, link), None)
+    if entry is None:
+        log_fallback("AttnRes", f"no bank part was left under link {link}", "the bank rows")
+        return None
+    part, key = entry
     if part is None:
         return None
     _join(bank.device)
