@@ -76,8 +76,8 @@ def test_kimi_dep_no_less_accurate_than_stock(study):
 # (study, module, line in the kernel, its mutant, the output that must break the bound)
 MUTANTS = {
     "kda_decay_bf16": ("kda", "dep_compile.ops.kda_triton",
-                       "decay = tl.exp(lower_bound * _sigmoid(a * (g_raw + dtb)))",
-                       "decay = tl.exp(lower_bound * _sigmoid(a * (g_raw + dtb))).to(tl.bfloat16).to(tl.float32)",
+                       "return tl.exp(lower_bound * _sigmoid(a * (g_raw + dtb)))",
+                       "return tl.exp(lower_bound * _sigmoid(a * (g_raw + dtb))).to(tl.bfloat16).to(tl.float32)",
                        "kda.rec_state|contract"),
     "attn_res_mix_bf16": ("attn_res", "dep_compile.stock.attn_res_cuda",
                           "acc = acc * keep + tl.sum(w[:, None] * x, axis=0)",
