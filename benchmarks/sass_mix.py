@@ -13,7 +13,9 @@ runs Triton 3.6: to read its code, install that Triton beside this one and put i
 Kernels (K3 shapes): ``attn_res`` (the fused AttnRes -> RMSNorm reading its bank rows, 16 warps), ``attn_res_part``
 (its bank rows' part computed a point early, option attn_res_ahead), ``experts_gemm1`` (the MXFP4 routed
 experts' gate / up GEMM on tiles, default tactic, 32-row passes), ``kda_core`` (the fused KDA decode core at a
-4-token verify step) and ``kda_state`` (the split KDA core's state launch, the same step).
+4-token verify step), ``kda_state`` (the split KDA core's state launch, the same step) and ``sparse_mla`` (the DSA
+layer's sparse MLA at 64 tokens, the default tile). Each kernel's tensor-core layouts are listed too: a wgmma
+layout whose warps along M cover more rows than the tile has computes that tile once a warpgroup.
 """
 
 from __future__ import annotations
@@ -151,8 +153,32 @@ def kda_state(q_len: int = 4):
     return compile_sm90(K._kda_state_kernel, sig, dict(H=H, D=D, Q_LEN=q_len, ST_V=D, ST_K=1), **K.STATE_LAUNCH)
 
 
+def sparse_mla(tokens: int = 64):
+    """The sparse MLA decode over cache rows (``physical``) at K3's size with the tile its wrapper picks for
+    ``tokens`` step tokens, one split (the 64-token default)."""
+    from dep_compile.ops import dsa_triton as M  # noqa: PLC0415
+
+    cfg = PRESETS["k3"]
+    tile = M.sparse_mla_tile(tokens, physical=True)
+    sig = dict(q_ptr="*bf16", kv_ptr="*bf16", bt_ptr="*i32", idx_ptr="*i32", slot_ptr="*i32", o_ptr="*bf16",
+               m_ptr="*fp32", l_ptr="*fp32", ks_ptr="*fp32", stride_q_t="i32", stride_q_h="i32",
+               stride_kv_blk="i32", stride_kv_off="i32", stride_bt="i32", stride_idx="i32", stride_o_t="i32",
+               stride_o_s="i32", stride_o_h="i32", stride_ml_t="i32", stride_ml_s="i32", stride_ks_blk="i32",
+               stride_ks_off="i32", scale="fp32")
+    consts = dict(Q_LEN=1, H=cfg.mla_heads, L=cfg.kv_lora_rank, R=cfg.qk_rope_dim, BS=64,
+                  BLOCK_H=tile["block_h"], BLOCK_N=64, CHUNK=cfg.index_topk, PHYS=True, DIRECT=True, F32=False,
+                  FP8=False)
+    return compile_sm90(M._sparse_mla_kernel, sig, consts, num_warps=tile["num_warps"],
+                        num_stages=tile["num_stages"])
+
+
+def mma_layouts(compiled) -> list[str]:
+    """The tensor-core layouts of ``compiled``'s dots (TTGIR ``nvidia_mma``: version, warps, instruction shape)."""
+    return re.findall(r"#ttg\.nvidia_mma<\{(.*?)\}>", compiled.asm["ttgir"])
+
+
 KERNELS = {"attn_res": attn_res, "attn_res_part": attn_res_part, "experts_gemm1": experts_gemm1,
-           "kda_core": kda_core, "kda_state": kda_state}
+           "kda_core": kda_core, "kda_state": kda_state, "sparse_mla": sparse_mla}
 
 
 def main() -> None:
@@ -162,9 +188,12 @@ def main() -> None:
     args = ap.parse_args()
     print(f"Triton {triton.__version__}, SM90")
     for name in args.kernels:
-        listing = sass(KERNELS[name]())
+        compiled = KERNELS[name]()
+        listing = sass(compiled)
         spills = len(re.findall(r"\b(?:LDL|STL)\b", listing))
-        print(f"\n{name}: {spills} local-memory (spill) instructions")
+        print(f"\n{name}: {spills} local-memory (spill) instructions, {compiled.metadata.shared} B of shared memory")
+        for layout in mma_layouts(compiled):
+            print(f"  mma layout: {layout}")
         for i, mix in enumerate(loops(listing)):
             top = ", ".join(f"{op} {n}" for op, n in mix.most_common(args.top))
             print(f"  loop {i}: {sum(mix.values())} instructions a step; {top}")

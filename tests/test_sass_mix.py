@@ -58,3 +58,15 @@ def test_kda_state_loop_reduces_across_eight_lanes():
     assert not re.findall(r"\b(?:LDL|STL)\b", listing)
     mix = _loop_with("kda_state", "SHFL.BFLY")
     assert mix["SHFL.BFLY"] <= 40 and sum(mix.values()) <= 720, mix
+
+
+def test_sparse_mla_tile_runs_on_wgmma():
+    """At 64 tokens the sparse MLA's tile (64 heads, 8 warps) keeps both products on Hopper's wgmma (layout version 3),
+    its P @ V in four 64x256x16 instructions a warpgroup a step. (Its scores' layout puts all 8 warps along the 64
+    heads, Triton's choice for a dot feeding a dot, so each warpgroup computes the whole 64 x 64 score tile; Triton
+    3.6 holds the loop in 252 registers, 3.9 spills in it: docs/perf.md, the sparse MLA's code.)"""
+    compiled = sass_mix.KERNELS["sparse_mla"]()
+    layouts = sass_mix.mma_layouts(compiled)
+    assert layouts and all("versionMajor = 3" in lay for lay in layouts), layouts
+    mix = _loop_with("sparse_mla", "HGMMA.64x256x16.F32.BF16")
+    assert mix["HGMMA.64x256x16.F32.BF16"] == 4, mix

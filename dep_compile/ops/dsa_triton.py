@@ -361,6 +361,19 @@ def physical_rows(topk_pos: torch.Tensor, block_table: torch.Tensor, q_len: int,
     return torch.where(topk_pos >= 0, blk * block_size + pos % block_size, -1).to(torch.int32)
 
 
+def sparse_mla_tile(tokens: int, physical: bool) -> dict:
+    """The sparse MLA's default tile for a step of ``tokens`` tokens: heads a program, warps, load stages.
+
+    Measured at 1 and 64 tokens (bench_dsa_kernels.py, docs/perf.md): below 16 tokens 32 heads a program (more
+    programs), 4 warps, 2 stages (11.1-11.5 µs vs 12.3-12.6 with 8 warps and 3); from 16, 64 heads (each
+    selected row read by fewer programs) and 8 warps, 2 stages over cache rows (195 vs 213 µs), 3 over positions
+    (234 vs 254). The switch at 16 tokens was not measured.
+    """
+    small = tokens < 16
+    return dict(block_h=32 if small else 64, num_warps=4 if small else 8,
+                num_stages=2 if small or physical else 3)
+
+
 def sparse_mla_decode_latent(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                              topk_indices: torch.Tensor, slot_mapping: torch.Tensor, q_len: int, kv_lora: int,
                              scale: float, *, block_h: int | None = None, block_n: int = 64,
@@ -378,15 +391,10 @@ def sparse_mla_decode_latent(query: torch.Tensor, kv_cache: torch.Tensor, block_
     T, H, LR = query.shape
     L, R = kv_lora, LR - kv_lora
     K = topk_indices.shape[1]
-    # Tiles measured at 1 and 64 tokens (bench_dsa_kernels.py, docs/perf.md): below 16 tokens 32
-    # heads a program (more programs), 4 warps, 2 stages (11.1-11.5 µs vs 12.3-12.6 with 8 warps
-    # and 3); from 16, 64 heads (each selected row read by fewer programs) and 8 warps, 2 stages
-    # over cache rows (195 vs 213 µs), 3 over positions (234 vs 254). The switch at 16 tokens
-    # was not measured.
-    small = T < 16
-    block_h = block_h or (32 if small else 64)
-    num_warps = num_warps or (4 if small else 8)
-    num_stages = num_stages or (2 if small or physical else 3)
+    tile = sparse_mla_tile(T, physical)
+    block_h = block_h or tile["block_h"]
+    num_warps = num_warps or tile["num_warps"]
+    num_stages = num_stages or tile["num_stages"]
     out = torch.empty(T, H, L, dtype=query.dtype, device=query.device)
     if T == 0:
         return out
