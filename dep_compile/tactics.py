@@ -102,10 +102,11 @@ DEP_DENSE_FP8: dict[tuple[int, int], dict[int, Tactic]] = {
 }
 
 # The KDA core's form by a step's tokens a request (``ops/kda_triton.kda_decode_core``): the one-launch fused kernel,
-# or, from this many tokens up, its two launches (prep + state, ``split``). None: the fused kernel at every q_len; the
-# split form is built and checked but not yet timed on the GPU (docs/perf.md, "The KDA core in two launches"). Read
+# or, from this many tokens up, its two launches (prep + state, ``split``); None: the fused kernel at every q_len.
+# Measured on the H200 (docs/perf.md, "The KDA core in two launches, timed"): split faster at q = 2 and 4 at 1-64
+# requests (64 x q = 4: 523 vs 615 µs; 64 x q = 2: 337 vs 465), slower at q = 1 (64 requests: 308 vs 258). Read
 # when the op runs: a CUDA graph keeps the form it was captured with.
-KDA_SPLIT_FROM_Q: int | None = None
+KDA_SPLIT_FROM_Q: int | None = 2
 
 
 def kda_split(q_len: int) -> bool:
