@@ -493,8 +493,8 @@ def kda_decode_core(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_bias, o_
     loop ~645 SM90 instructions a warp against the fused loop's ~2600 (``benchmarks/sass_mix.py kda_state``).
     Same arithmetic, other FP32 summation orders; ``num_warps`` and ``maxnreg`` apply to the fused kernel only (the
     split form's launches have their own). ``split`` needs :func:`split_unsupported` to be None. Built for verify steps, where the fused kernel's token loop
-    is ~3.3x the state traffic at 64 x q = 4: there it is 1.18x faster (523 vs 615 µs on the H200), 1.38x at q = 2
-    (337 vs 465), slower at q = 1 (308 vs 258); ``tactics.KDA_SPLIT_FROM_Q`` picks it from q = 2 (docs/perf.md).
+    is ~3.3x the state traffic at 64 x q = 4; ``tactics.KDA_SPLIT_FROM_Q`` picks it where the H200 measured it
+    faster (its comment and docs/perf.md give the numbers).
     """
     T, HD = q.shape
     H = beta.shape[-1]
