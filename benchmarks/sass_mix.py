@@ -13,8 +13,8 @@ runs Triton 3.6: to read its code, install that Triton beside this one and put i
 Kernels (K3 shapes): ``attn_res`` (the fused AttnRes -> RMSNorm reading its bank rows, 16 warps), ``attn_res_part``
 (its bank rows' part computed a point early, option attn_res_ahead), ``experts_gemm1`` (the MXFP4 routed
 experts' gate / up GEMM on tiles, default tactic, 32-row passes), ``kda_core`` (the fused KDA decode core at a
-4-token verify step), ``kda_state`` (the split KDA core's state launch, the same step) and ``sparse_mla`` (the DSA
-layer's sparse MLA at 64 tokens, the default tile). Each kernel's tensor-core layouts are listed too: a wgmma
+4-token verify step), ``kda_prep`` and ``kda_state`` (the split KDA core's two launches, the same step) and
+``sparse_mla`` (the DSA layer's sparse MLA at 64 tokens, the default tile). Each kernel's tensor-core layouts are listed too: a wgmma
 layout whose warps along M cover more rows than the tile has computes that tile once a warpgroup.
 """
 
@@ -153,6 +153,24 @@ def kda_state(q_len: int = 4):
     return compile_sm90(K._kda_state_kernel, sig, dict(H=H, D=D, Q_LEN=q_len, ST_V=D, ST_K=1), **K.STATE_LAUNCH)
 
 
+def kda_prep(q_len: int = 4):
+    """The split KDA core's prep launch (conv, F_B as one product, norms, decay, beta, the new conv taps) at K3's
+    size, a verify step of ``q_len`` tokens: ``PREP_ROWS`` token rows a program, 4 warps."""
+    from dep_compile.ops import kda_triton as K  # noqa: PLC0415
+
+    cfg = PRESETS["k3"]
+    qp = triton.next_power_of_2(q_len)
+    sig = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", fa_ptr="*bf16", beta_ptr="*bf16", fbw_ptr="*bf16",
+               cw_ptr="*bf16", alog_ptr="*fp32", dtb_ptr="*fp32", cs_ptr="*bf16", idx_ptr="*i32", acc_ptr="*i32",
+               xs_ptr="*bf16", dec_ptr="*fp32", sc_ptr="*fp32", B="i32", stride_q="i32", stride_k="i32",
+               stride_v="i32", stride_fa="i32", stride_beta="i32", stride_fbw="i32", stride_cw_c="i32",
+               stride_cw_w="i32", stride_cs_s="i32", stride_cs_w="i32", lower_bound="fp32")
+    consts = dict(H=cfg.kda_heads, D=cfg.kda_head_dim, F=cfg.kda_f_rank, W=cfg.kda_conv_width,
+                  WP=triton.next_power_of_2(cfg.kda_conv_width), Q_LEN=q_len, QP=qp, RB=max(1, K.PREP_ROWS // qp),
+                  GRAW=False, F32=False)
+    return compile_sm90(K._kda_prep_kernel, sig, consts, num_warps=4)
+
+
 def sparse_mla(tokens: int = 64):
     """The sparse MLA decode over cache rows (``physical``) at K3's size with the tile its wrapper picks for
     ``tokens`` step tokens, one split (the 64-token default)."""
@@ -178,7 +196,7 @@ def mma_layouts(compiled) -> list[str]:
 
 
 KERNELS = {"attn_res": attn_res, "attn_res_part": attn_res_part, "experts_gemm1": experts_gemm1,
-           "kda_core": kda_core, "kda_state": kda_state, "sparse_mla": sparse_mla}
+           "kda_core": kda_core, "kda_prep": kda_prep, "kda_state": kda_state, "sparse_mla": sparse_mla}
 
 
 def main() -> None:

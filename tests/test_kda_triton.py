@@ -221,8 +221,13 @@ def test_kda_split_form_runs_its_own_launches(monkeypatch):
     ref = reference(c, 2)
     monkeypatch.setattr(kt, "_kda_decode_kernel", None)
     check(c, 2, run_kernel(kt, c, 2, split=True), ref)
-    assert kt.split_unsupported(D) is None and kt.split_unsupported(128) is None
-    assert "256" in kt.split_unsupported(256) and "2 " in kt.split_unsupported(2)
+    assert kt.split_unsupported(D, Fr) is None and kt.split_unsupported(128, None) is None
+    assert "256" in kt.split_unsupported(256, 128) and "8 " in kt.split_unsupported(8, 128)
+    assert "rank 8 " in kt.split_unsupported(128, 8)
+    with pytest.raises(ValueError, match="rank 8 "):
+        kt.kda_decode_core(c["q"], c["k"], c["v"], c["f_a"][:, :8], c["f_b_w"][:, :8], c["beta"], c["g_out"],
+                           c["conv_w"], c["A_log"], c["dt_bias"], c["o_norm_w"], c["conv_state"], c["rec_state"],
+                           c["state_indices"], c["accepted"], 2, LOWER_BOUND, NORM_EPS, split=True)
 
 
 @pytest.mark.skipif(_DEV == "cpu", reason="routing needs CUDA tensors")

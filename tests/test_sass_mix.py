@@ -62,6 +62,14 @@ def test_kda_state_loop_reduces_across_eight_lanes():
     assert mix["SHFL.BFLY"] <= 40 and sum(mix.values()) <= 720, mix
 
 
+def test_kda_prep_runs_f_b_as_one_tensor_core_product():
+    """The split KDA core's prep launch computes F_B for its 16 token rows of a head as one product: 16 x 128 @
+    128 x 128 in 32 HMMA.16816 a warp (4 warps side by side along the head's channels), ``f_b_w`` read once a
+    program where the per-token prep read it once a token (its 188 µs a layer at 64 x q = 4: docs/perf.md)."""
+    listing = sass_mix.sass(sass_mix.KERNELS["kda_prep"]())
+    assert len(re.findall(r"\bHMMA\.16816\.F32\.BF16\b", listing)) == 32
+
+
 def test_sparse_mla_tile_runs_on_wgmma():
     """At 64 tokens the sparse MLA's tile (64 heads, 8 warps) keeps both products on Hopper's wgmma (layout version 3),
     its P @ V in four 64x256x16 instructions a warpgroup a step. (Its scores' layout puts all 8 warps along the 64

@@ -50,9 +50,11 @@ class PreparedKda:
             why = kda_decode_unsupported(q, k, v, f_a, f_b_w, beta, g, conv_w, A_log, dt_bias, o_norm_w, conv_state,
                                          rec_state, state_indices, accepted, q_len)
             if why is None:
+                f_rank = None if f_b_w is None else self.f_rank
+                split = tactics.kda_split(q_len) and split_unsupported(self.head_dim, f_rank) is None
                 return kda_decode_core(q, k, v, f_a, f_b_w, beta, g, conv_w, A_log, dt_bias, o_norm_w, conv_state,
                                        rec_state, state_indices, accepted, q_len, self.lower_bound, self.norm_eps,
-                                       split=tactics.kda_split(q_len) and split_unsupported(self.head_dim) is None)
+                                       split=split)
             log_fallback("KDA", why, "the stock KDA core op")
         g_raw = f_a if f_b_w is None else dense_linear(f_a, f_b_w)  # [T, H*D] BF16, as stock's f_b_proj
         return stock_ops.kda_core(q, k, v, g_raw, beta, g, conv_w, A_log, dt_bias, o_norm_w, conv_state, rec_state,

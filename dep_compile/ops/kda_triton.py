@@ -54,8 +54,9 @@ runs the stock KDA core op and logs the reason once).
 
 The split form (``kda_decode_core(split=True)``, where ``tactics.kda_split`` says so) runs steps 1-3 in
 ``_kda_prep_kernel`` into a workspace it allocates (T x H x 1296 bytes at D = 128; under a CUDA graph in the
-graph's pool), then steps 4-5 in ``_kda_state_kernel``; it holds a head's state in 8 warps at 128 registers, so
-it takes ``4 <= D <= 128`` (:func:`split_unsupported`).
+graph's pool), a program for a head of ``PREP_ROWS // next_pow2(q_len)`` requests (F_B for all their tokens as one
+tensor-core product), then steps 4-5 in ``_kda_state_kernel``; it holds a head's state in 8 warps at 128
+registers, so it takes ``16 <= D <= 128`` and an F_B rank of 16 or more (:func:`split_unsupported`).
 
 The module imports Triton at import time: import it only where CUDA and Triton exist.
 """
@@ -68,10 +69,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .dsa_triton import _mm
+
 __all__ = ["kda_decode_core", "kda_decode_unsupported", "split_unsupported", "MAX_Q_LEN"]
 
 MAX_Q_LEN = 8
 STATE_LAUNCH = {"num_warps": 8, "maxnreg": 128}  # the split form's state launch: two programs an SM
+PREP_ROWS = 16  # token rows a program of the split form's prep launch (whole requests; the F_B product's M)
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -290,53 +294,112 @@ def _kda_decode_kernel(
 
 
 @triton.jit
+def _prep_conv(cs_base, stride_cs_w, x_ptr, stride_x, cw_ptr, stride_cw_c, stride_cw_w, tok0, t, ch, live,
+               W: tl.constexpr, D: tl.constexpr, R: tl.constexpr):
+    """Conv + SiLU of ``R`` rows (each a request's token ``t``, its window read from the request's conv state rows
+    ``cs_base`` and tokens ``x[tok0:]``) for channels ``ch``, rounded to BF16, as FP32 ``[R, D]``."""
+    y = tl.zeros([R, D], tl.float32)
+    for w in tl.static_range(W):
+        p = t + w  # [R]: the tap's position in cat(conv_state[0:W-1], x[tok0:])
+        in_state = p < W - 1
+        s = tl.load(cs_base[:, None] + tl.minimum(p, W - 2).to(tl.int64)[:, None] * stride_cs_w + ch[None, :],
+                    mask=(live & in_state)[:, None], other=0.0)
+        xrow = tl.maximum(tok0 + p - (W - 1), 0).to(tl.int64)
+        x = tl.load(x_ptr + xrow[:, None] * stride_x + ch[None, :], mask=(live & (p >= W - 1))[:, None], other=0.0)
+        cw = tl.load(cw_ptr + ch * stride_cw_c + w * stride_cw_w).to(tl.float32)
+        y += tl.where(in_state[:, None], s.to(tl.float32), x.to(tl.float32)) * cw[None, :]
+    y = y / (1.0 + tl.exp(-y))
+    return y.to(tl.bfloat16).to(tl.float32)
+
+
+@triton.jit
+def _prep_taps(cs_ptr, stride_cs_s, stride_cs_w, x_ptr, stride_x, idx_ptr, acc_ptr, b0, ch, B,
+               W: tl.constexpr, WP: tl.constexpr, RB: tl.constexpr, Q_LEN: tl.constexpr):
+    """The new conv state of requests ``b0 .. b0+RB-1`` for channels ``ch``: each committed token's window rows
+    1 .. W-1 (positions ``accepted .. accepted+W-2`` of cat(conv_state, x)), loaded, then stored over the old
+    taps once every thread of the program has read them (a request whose ``accepted`` is 0 keeps its taps)."""
+    r = tl.arange(0, RB * WP)
+    b = b0 + r // WP
+    j = r % WP  # the new state's row
+    slot = tl.load(idx_ptr + b, mask=b < B, other=-1).to(tl.int64)
+    acc = tl.load(acc_ptr + b, mask=b < B, other=0).to(tl.int32)
+    keep = (j < W - 1) & (slot >= 0) & (acc >= 1) & (acc <= Q_LEN)
+    p = acc + j
+    base = cs_ptr + tl.maximum(slot, 0) * stride_cs_s
+    s = tl.load(base[:, None] + tl.minimum(p, W - 2).to(tl.int64)[:, None] * stride_cs_w + ch[None, :],
+                mask=(keep & (p < W - 1))[:, None], other=0.0)
+    xrow = tl.maximum(b.to(tl.int64) * Q_LEN + p - (W - 1), 0)
+    x = tl.load(x_ptr + xrow[:, None] * stride_x + ch[None, :], mask=(keep & (p >= W - 1))[:, None], other=0.0)
+    taps = tl.where((p < W - 1)[:, None], s, x.to(s.dtype))
+    tl.debug_barrier()
+    tl.store(base[:, None] + j.to(tl.int64)[:, None] * stride_cs_w + ch[None, :], taps, mask=keep[:, None])
+
+
+@triton.jit
 def _kda_prep_kernel(
     q_ptr, k_ptr, v_ptr, fa_ptr, beta_ptr, fbw_ptr, cw_ptr, alog_ptr, dtb_ptr, cs_ptr, idx_ptr, acc_ptr,
-    xs_ptr, dec_ptr, sc_ptr,
+    xs_ptr, dec_ptr, sc_ptr, B,
     stride_q, stride_k, stride_v, stride_fa, stride_beta, stride_fbw, stride_cw_c, stride_cw_w,
     stride_cs_s, stride_cs_w, lower_bound,
     H: tl.constexpr, D: tl.constexpr, F: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, Q_LEN: tl.constexpr,
-    FB: tl.constexpr, GRAW: tl.constexpr,
+    QP: tl.constexpr, RB: tl.constexpr, GRAW: tl.constexpr, F32: tl.constexpr,
 ):
-    """The split form's first launch, one program per (request, head): the fused kernel's steps 1-3 for every
-    token (conv + SiLU, norms, F_B gate, beta) into the workspace, and the new conv taps (the state math is
-    ``_kda_state_kernel``'s)."""
+    """The split form's first launch, one program per (``RB`` requests, head): the fused kernel's steps 1-3 for every
+    token of them at once (conv + SiLU, norms, the F_B gate as one product of their ``RB x QP`` rows, beta) into
+    the workspace, then the new conv taps (the state math is ``_kda_state_kernel``'s)."""
     pid = tl.program_id(0)
-    b = pid // H
+    b0 = (pid // H) * RB
     h = pid % H
     HD: tl.constexpr = H * D
+    R: tl.constexpr = RB * QP
     offs = tl.arange(0, D)
     ch = h * D + offs
-    a, dtb, cw_q, cw_k, cw_v = _head_consts(cw_ptr, stride_cw_c, stride_cw_w, alog_ptr, dtb_ptr, h, ch,
-                                            tl.arange(0, WP), HD, W)
-    slot = tl.load(idx_ptr + b).to(tl.int64)
-    ok = slot >= 0
-    ok_d = (tl.zeros([D], tl.int64) + slot) >= 0
-    commit_d = tl.zeros([D], tl.int32) + tl.load(acc_ptr + b).to(tl.int32)
-    cs_base = cs_ptr + tl.maximum(slot, 0) * stride_cs_s
-    taps_q = tl.zeros([WP, D], tl.float32)
-    taps_k = tl.zeros([WP, D], tl.float32)
-    taps_v = tl.zeros([WP, D], tl.float32)
-    tok0 = b * Q_LEN
-    for t in tl.range(Q_LEN, num_stages=2):
-        tok = (tok0 + t).to(tl.int64)
-        qc, kc, vc, taps_q, taps_k, taps_v = _token_conv(cs_base, stride_cs_w, q_ptr, stride_q, k_ptr, stride_k, v_ptr,
-                                                         stride_v, tok0, t, ch, ok, commit_d == t + 1, taps_q, taps_k,
-                                                         taps_v, cw_q, cw_k, cw_v, HD, W, WP)
-        g_raw, beta = _gates(fa_ptr, stride_fa, beta_ptr, stride_beta, tok, h, fbw_ptr, stride_fbw, ch, D, F, FB,
-                             GRAW)
-        th = tok * H + h  # the workspace row of (token, head)
-        xs = xs_ptr + th * (3 * D) + offs  # q, k, v conv outputs: BF16 values, stored exactly
-        tl.store(xs, qc.to(tl.bfloat16))
-        tl.store(xs + D, kc.to(tl.bfloat16))
-        tl.store(xs + 2 * D, vc.to(tl.bfloat16))
-        tl.store(dec_ptr + th * D + offs, _decay(lower_bound, a, g_raw, dtb))
-        r4 = tl.arange(0, 4)  # q's and k's norm factors, beta (a 16-byte row)
-        tl.store(sc_ptr + th * 4 + r4, tl.where(r4 == 0, _norm_scale(qc, D, True),
-                                                tl.where(r4 == 1, _norm_scale(kc, D, False), beta)), mask=r4 < 3)
-    tl.debug_barrier()  # every conv-state read of this program is done before its taps are overwritten
-    _store_new_taps(cs_base, stride_cs_w, taps_q, taps_k, taps_v, ch, ok_d & (commit_d >= 1) & (commit_d <= Q_LEN),
-                    HD, W, WP)
+    r = tl.arange(0, R)
+    b = b0 + r // QP
+    t = r % QP
+    valid = (t < Q_LEN) & (b < B)  # [R]: a token of a request (rows past q_len or B pad the tile)
+    tok = b.to(tl.int64) * Q_LEN + t
+    tok0 = b.to(tl.int64) * Q_LEN
+    slot = tl.load(idx_ptr + b, mask=b < B, other=-1).to(tl.int64)
+    live = valid & (slot >= 0)
+    cs_base = cs_ptr + tl.maximum(slot, 0) * stride_cs_s  # [R] pointers
+    qc = _prep_conv(cs_base, stride_cs_w, q_ptr, stride_q, cw_ptr, stride_cw_c, stride_cw_w, tok0, t, ch, live,
+                    W, D, R)
+    kc = _prep_conv(cs_base + HD, stride_cs_w, k_ptr, stride_k, cw_ptr + HD * stride_cw_c, stride_cw_c, stride_cw_w,
+                    tok0, t, ch, live, W, D, R)
+    vc = _prep_conv(cs_base + 2 * HD, stride_cs_w, v_ptr, stride_v, cw_ptr + 2 * HD * stride_cw_c, stride_cw_c,
+                    stride_cw_w, tok0, t, ch, live, W, D, R)
+    if GRAW:
+        g_raw = tl.load(fa_ptr + tok[:, None] * stride_fa + ch[None, :], mask=valid[:, None], other=0.0)
+    else:  # F_B: [R, F] @ [F, D], FP32 accumulation, rounded to BF16 as the reference's F.linear
+        f = tl.arange(0, F)
+        fa = tl.load(fa_ptr + tok[:, None] * stride_fa + f[None, :], mask=valid[:, None], other=0.0)
+        fbw = tl.load(fbw_ptr + ch.to(tl.int64)[None, :] * stride_fbw + f[:, None])  # [F, D]
+        g_raw = _mm(fa, fbw, F32).to(tl.bfloat16)
+    a = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
+    dtb = tl.load(dtb_ptr + ch).to(tl.float32)
+    decay = _decay(lower_bound, a, g_raw.to(tl.float32), dtb[None, :])
+    beta = _sigmoid(tl.load(beta_ptr + tok * stride_beta + h, mask=valid, other=0.0).to(tl.float32))
+    q_scale = tl.rsqrt(tl.sum(qc * qc, axis=1) + 1e-6) * (D ** -0.5)
+    k_scale = tl.rsqrt(tl.sum(kc * kc, axis=1) + 1e-6)
+    th = tok * H + h  # [R]: the workspace rows of (token, head)
+    m = valid[:, None]
+    xs = xs_ptr + th[:, None] * (3 * D) + offs[None, :]  # q, k, v conv outputs: BF16 values, stored exactly
+    tl.store(xs, qc.to(tl.bfloat16), mask=m)
+    tl.store(xs + D, kc.to(tl.bfloat16), mask=m)
+    tl.store(xs + 2 * D, vc.to(tl.bfloat16), mask=m)
+    tl.store(dec_ptr + th[:, None] * D + offs[None, :], decay, mask=m)
+    r4 = tl.arange(0, 4)[None, :]  # q's and k's norm factors, beta (a 16-byte row)
+    tl.store(sc_ptr + th[:, None] * 4 + r4,
+             tl.where(r4 == 0, q_scale[:, None], tl.where(r4 == 1, k_scale[:, None], beta[:, None])),
+             mask=m & (r4 < 3))
+    # Every conv-state read above is done before a group's taps are overwritten (the barrier in _prep_taps); a
+    # group reads and writes only its own channels.
+    tl.debug_barrier()
+    _prep_taps(cs_ptr, stride_cs_s, stride_cs_w, q_ptr, stride_q, idx_ptr, acc_ptr, b0, ch, B, W, WP, RB, Q_LEN)
+    _prep_taps(cs_ptr + HD, stride_cs_s, stride_cs_w, k_ptr, stride_k, idx_ptr, acc_ptr, b0, ch, B, W, WP, RB, Q_LEN)
+    _prep_taps(cs_ptr + 2 * HD, stride_cs_s, stride_cs_w, v_ptr, stride_v, idx_ptr, acc_ptr, b0, ch, B, W, WP, RB,
+               Q_LEN)
 
 
 @triton.jit
@@ -416,11 +479,15 @@ def _pow2(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
 
 
-def split_unsupported(head_dim: int) -> str | None:
-    """Why the split form cannot run a head of ``head_dim`` (None: it can): four column chunks of the state, in 8
-    warps at 128 registers (64 state values a thread at D = 128)."""
-    if not 4 <= head_dim <= 128:
-        return f"head dim {head_dim} not in 4..128 (the split form's state launch: 8 warps at 128 registers)"
+def split_unsupported(head_dim: int, f_rank: int | None) -> str | None:
+    """Why the split form cannot run heads of ``head_dim`` with an F_B of rank ``f_rank`` (None: the raw gate, F_B
+    applied outside) (None: it can): the state launch holds four column chunks of the state in 8 warps at 128
+    registers (64 state values a thread at D = 128); the prep launch's F_B is a tensor-core product (each side 16 or
+    more)."""
+    if not 16 <= head_dim <= 128:
+        return f"head dim {head_dim} not in 16..128 (the split form: 8 warps at 128 registers; an MMA's N)"
+    if f_rank is not None and f_rank < 16:
+        return f"f rank {f_rank} under 16 (the split form's F_B product: an MMA's K)"
     return None
 
 
@@ -487,14 +554,16 @@ def kda_decode_core(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_bias, o_
     before the update (``S q + u (k . q)``) was 1.29-1.35x slower at q = 4 (docs/perf_kda.md) and is gone.
 
     ``split``: two launches instead of one. ``_kda_prep_kernel`` computes every token's conv outputs, norm
-    factors, decay and beta into a workspace (``T x H x (3 x D BF16 + D FP32 + 4 FP32)``, allocated here) and
-    writes the conv taps; ``_kda_state_kernel`` runs the delta rule and the gated RMSNorm from it, 8 warps at
-    128 registers (two programs an SM, against the fused kernel's two programs of 4 warps at 255), its token
-    loop ~645 SM90 instructions a warp against the fused loop's ~2600 (``benchmarks/sass_mix.py kda_state``).
-    Same arithmetic, other FP32 summation orders; ``num_warps`` and ``maxnreg`` apply to the fused kernel only (the
-    split form's launches have their own). ``split`` needs :func:`split_unsupported` to be None. Built for verify steps, where the fused kernel's token loop
-    is ~3.3x the state traffic at 64 x q = 4; ``tactics.KDA_SPLIT_FROM_Q`` picks it where the H200 measured it
-    faster (its comment and docs/perf.md give the numbers).
+    factors, decay and beta into a workspace (``T x H x (3 x D BF16 + D FP32 + 4 FP32)``, allocated here), a
+    program a head of ``PREP_ROWS`` token rows with F_B as one tensor-core product (``f_b_w`` read once a program,
+    not once a token), and writes the conv taps; ``_kda_state_kernel`` runs the delta rule and the gated RMSNorm
+    from it, 8 warps at 128 registers (two programs an SM, against the fused kernel's two programs of 4 warps at
+    255), its token loop ~645 SM90 instructions a warp against the fused loop's ~2600 (``benchmarks/sass_mix.py
+    kda_state``). Same arithmetic, other FP32 summation orders; ``num_warps``, ``fb`` and ``maxnreg`` apply to the
+    fused kernel only (the split form's launches have their own). ``split`` needs :func:`split_unsupported` to be
+    None. Built for verify steps, where the fused kernel's token loop is ~3.3x the state traffic at 64 x q = 4;
+    ``tactics.KDA_SPLIT_FROM_Q`` picks it where the H200 measured it faster (its comment and docs/perf.md give the
+    numbers).
     """
     T, HD = q.shape
     H = beta.shape[-1]
@@ -509,7 +578,7 @@ def kda_decode_core(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_bias, o_
         return out
     if split:
         _kda_split(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_bias, o_norm_w, conv_state, rec_state,
-                   state_indices, accepted, q_len, lower_bound, norm_eps, out, fb)
+                   state_indices, accepted, q_len, lower_bound, norm_eps, out)
         return out
     _kda_decode_kernel[(B * H,)](
         q, k, v, g_out, f_a, beta,
@@ -530,28 +599,29 @@ def kda_decode_core(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_bias, o_
 
 
 def _kda_split(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_bias, o_norm_w, conv_state, rec_state,
-               state_indices, accepted, q_len: int, lower_bound: float, norm_eps: float, out: torch.Tensor,
-               fb: int) -> None:
+               state_indices, accepted, q_len: int, lower_bound: float, norm_eps: float, out: torch.Tensor) -> None:
     """``kda_decode_core(split=True)``: the prep launch into a fresh workspace, then the state launch."""
     T, HD = q.shape
     H = beta.shape[-1]
     D = HD // H
-    why = split_unsupported(D)
+    graw = f_b_w is None
+    why = split_unsupported(D, None if graw else f_a.shape[-1])
     if why is not None:
         raise ValueError(f"the split KDA core: {why}")
-    graw = f_b_w is None
     W = conv_w.shape[-1]
     B = T // q_len
     xs = torch.empty(T, H, 3, D, dtype=torch.bfloat16, device=q.device)  # q, k, v conv outputs
     dec = torch.empty(T, H, D, dtype=torch.float32, device=q.device)  # per-channel decay
     sc = torch.empty(T, H, 4, dtype=torch.float32, device=q.device)  # q / k norm factors, beta, (unused)
-    _kda_prep_kernel[(B * H,)](
+    qp = triton.next_power_of_2(q_len)
+    rb = max(1, PREP_ROWS // qp)  # requests a prep program
+    _kda_prep_kernel[(triton.cdiv(B, rb) * H,)](
         q, k, v, f_a, beta, f_a if graw else f_b_w, conv_w, A_log, dt_bias, conv_state, state_indices, accepted,
-        xs, dec, sc,
+        xs, dec, sc, B,
         q.stride(0), k.stride(0), v.stride(0), f_a.stride(0), beta.stride(0), 0 if graw else f_b_w.stride(0),
         conv_w.stride(0), conv_w.stride(1), conv_state.stride(0), conv_state.stride(1), float(lower_bound),
-        H=H, D=D, F=1 if graw else f_a.shape[-1], W=W, WP=triton.next_power_of_2(W), Q_LEN=int(q_len),
-        FB=min(1 if graw else f_a.shape[-1], fb), GRAW=graw, num_warps=4,
+        H=H, D=D, F=1 if graw else f_a.shape[-1], W=W, WP=triton.next_power_of_2(W), Q_LEN=int(q_len), QP=qp, RB=rb,
+        GRAW=graw, F32=_INTERPRET, num_warps=4,
     )
     _kda_state_kernel[(B * H,)](
         xs, dec, sc, g_out, o_norm_w, rec_state, state_indices, accepted, out,
