@@ -76,7 +76,7 @@ def _pow2_scale(amax):
 
 
 @triton.jit
-def _mm(a, b, F32: tl.constexpr):
+def dot_fp32_acc(a, b, F32: tl.constexpr):
     """a @ b with FP32 accumulation; BF16 / FP16 tensor cores, or FP32 operands in Triton's interpreter
     (whose BF16 dot is wrong: 16-bit values are exact in FP32, so the result is the same up to order)."""
     if F32:
@@ -168,7 +168,7 @@ def _index_logits_kernel(q_ptr, wt_ptr, cache_ptr, scale_ptr, bt_ptr, seq_ptr, s
         # [BLOCK_N, QP*HI] FP32, keys the MMA's rows (a wgmma 64 rows tall; 32 heads as rows took mma.sync). FP16
         # operands hold the FP8 values exactly (one conversion a pair; BF16 took three) and keep full FP32
         # accumulation (Hopper's FP8 dots accumulate with ~14 bits, DeepSeek-V3 §3.3).
-        dots = _mm(k8.to(tl.float16), tl.trans(q8), F32)
+        dots = dot_fp32_acc(k8.to(tl.float16), tl.trans(q8), F32)
         contrib = tl.maximum(dots, 0.0) * w_fold[None, :]
         logits = tl.sum(tl.reshape(contrib, [BLOCK_N, QP, HI]), axis=2) * k_scale[:, None]  # [BLOCK_N, QP]
         visible = live[None, :] & (n[:, None] <= pos[None, :])
@@ -297,14 +297,15 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, bt_ptr, idx_ptr, slot_ptr, o_ptr, m_ptr, l
                           other=0.0)  # [BLOCK_N] FP32
             k_lat = (k_lat.to(tl.float32) * k_s[:, None]).to(tl.bfloat16)
             k_rope = (k_rope.to(tl.float32) * k_s[:, None]).to(tl.bfloat16)
-        sc = _mm(q_lat, tl.trans(k_lat), F32) + _mm(q_rope, tl.trans(k_rope), F32)  # [BLOCK_H, BLOCK_N]
+        # [BLOCK_H, BLOCK_N]
+        sc = dot_fp32_acc(q_lat, tl.trans(k_lat), F32) + dot_fp32_acc(q_rope, tl.trans(k_rope), F32)
         sc = tl.where(ok[None, :], sc * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(sc, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m - m_safe)
         p = tl.exp(sc - m_safe[:, None])
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _mm(p.to(tl.bfloat16), k_lat, F32)
+        acc = acc * alpha[:, None] + dot_fp32_acc(p.to(tl.bfloat16), k_lat, F32)
         m = m_new
     o_rows = o_ptr + t64 * stride_o_t + s * stride_o_s + h.to(tl.int64)[:, None] * stride_o_h + dl[None, :]
     if DIRECT:  # one split: the normalized BF16 output itself (no partials, no combine launch)
@@ -443,7 +444,7 @@ def _absorb_kernel(q_ptr, w_ptr, out_ptr, T, stride_q_t, stride_q_h, stride_w_h,
     q_rows = q_ptr + t64[:, None] * stride_q_t + h * stride_q_h
     q_nope = tl.load(q_rows + dn[None, :], mask=t_ok[:, None], other=0.0)  # [BLOCK_T, NOPE]
     w_uk = tl.load(w_ptr + h * stride_w_h + dn[:, None] * stride_w_n + dl[None, :])  # [NOPE, BLOCK_L]
-    q_lat = _mm(q_nope, w_uk, F32)  # [BLOCK_T, BLOCK_L] FP32
+    q_lat = dot_fp32_acc(q_nope, w_uk, F32)  # [BLOCK_T, BLOCK_L] FP32
     out_rows = out_ptr + t64[:, None] * stride_out_t + h * stride_out_h
     tl.store(out_rows + dl[None, :], q_lat.to(out_ptr.dtype.element_ty), mask=t_ok[:, None])
     if c == 0:
@@ -538,7 +539,7 @@ def _uv_gate_kernel(o_ptr, w_ptr, g_ptr, out_ptr, T, stride_o_t, stride_o_h, str
     dv = c * BLOCK_V + tl.arange(0, BLOCK_V)
     o = tl.load(o_ptr + t64[:, None] * stride_o_t + h * stride_o_h + dl[None, :], mask=t_ok[:, None], other=0.0)
     w = tl.load(w_ptr + h * stride_w_h + dv[:, None] * stride_w_v + dl[None, :])  # [BLOCK_V, L]
-    y = _mm(o, tl.trans(w), F32).to(tl.bfloat16).to(tl.float32)  # W_UV output, BF16 as stock's
+    y = dot_fp32_acc(o, tl.trans(w), F32).to(tl.bfloat16).to(tl.float32)  # W_UV output, BF16 as stock's
     col = h * V + dv
     gate = tl.load(g_ptr + t64[:, None] * stride_g + col[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
     y = y / (1.0 + tl.exp(-gate))

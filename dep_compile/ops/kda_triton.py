@@ -69,7 +69,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .dsa_triton import _mm
+from .dsa_triton import dot_fp32_acc
 
 __all__ = ["kda_decode_core", "kda_decode_unsupported", "split_unsupported", "MAX_Q_LEN"]
 
@@ -375,7 +375,7 @@ def _kda_prep_kernel(
         f = tl.arange(0, F)
         fa = tl.load(fa_ptr + tok[:, None] * stride_fa + f[None, :], mask=valid[:, None], other=0.0)
         fbw = tl.load(fbw_ptr + ch.to(tl.int64)[None, :] * stride_fbw + f[:, None])  # [F, D]
-        g_raw = _mm(fa, fbw, F32).to(tl.bfloat16)
+        g_raw = dot_fp32_acc(fa, fbw, F32).to(tl.bfloat16)
     a = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
     dtb = tl.load(dtb_ptr + ch).to(tl.float32)
     decay = _decay(lower_bound, a, g_raw.to(tl.float32), dtb[None, :])
