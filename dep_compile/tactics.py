@@ -105,7 +105,8 @@ DEP_DENSE_FP8: dict[tuple[int, int], dict[int, Tactic]] = {
 # or, from this many tokens up, its two launches (prep + state, ``split``); None: the fused kernel at every q_len.
 # Measured on the H200 (docs/perf.md, "The KDA core in two launches, timed"): split faster at q = 2 and 4 at 1-64
 # requests (64 x q = 4: 523 vs 615 µs; 64 x q = 2: 337 vs 465), slower at q = 1 (64 requests: 308 vs 258). Read
-# when the op runs: a CUDA graph keeps the form it was captured with.
+# when the op runs: a CUDA graph keeps the form it was captured with. The prep launch over 16 token rows (2026-12-06)
+# took the split form at 64 requests 21 % (q = 4) and 17 % (q = 2) further on an H100; q = 1 not re-timed.
 KDA_SPLIT_FROM_Q: int | None = 2
 
 
