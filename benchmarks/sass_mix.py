@@ -159,14 +159,13 @@ def kda_prep(q_len: int = 4):
     from dep_compile.ops import kda_triton as K  # noqa: PLC0415
 
     cfg = PRESETS["k3"]
-    qp = triton.next_power_of_2(q_len)
     sig = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", fa_ptr="*bf16", beta_ptr="*bf16", fbw_ptr="*bf16",
                cw_ptr="*bf16", alog_ptr="*fp32", dtb_ptr="*fp32", cs_ptr="*bf16", idx_ptr="*i32", acc_ptr="*i32",
                xs_ptr="*bf16", dec_ptr="*fp32", sc_ptr="*fp32", B="i32", stride_q="i32", stride_k="i32",
                stride_v="i32", stride_fa="i32", stride_beta="i32", stride_fbw="i32", stride_cw_c="i32",
                stride_cw_w="i32", stride_cs_s="i32", stride_cs_w="i32", lower_bound="fp32")
     consts = dict(H=cfg.kda_heads, D=cfg.kda_head_dim, F=cfg.kda_f_rank, W=cfg.kda_conv_width,
-                  WP=triton.next_power_of_2(cfg.kda_conv_width), Q_LEN=q_len, QP=qp, RB=max(1, K.PREP_ROWS // qp),
+                  WP=triton.next_power_of_2(cfg.kda_conv_width), Q_LEN=q_len, QP=triton.next_power_of_2(q_len), RB=K.prep_requests(q_len),
                   GRAW=False, F32=False)
     return compile_sm90(K._kda_prep_kernel, sig, consts, num_warps=4)
 

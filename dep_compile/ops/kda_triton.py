@@ -176,9 +176,9 @@ def _head_consts(cw_ptr, stride_cw_c, stride_cw_w, alog_ptr, dtb_ptr, h, ch, off
 
 
 @triton.jit
-def _norm_scale(x, D: tl.constexpr, Q: tl.constexpr):
-    """The L2 norm's factor of a conv output (eps 1e-6), times ``D^-1/2`` for q (``Q``)."""
-    r = tl.rsqrt(tl.sum(x * x, axis=0) + 1e-6)
+def _norm_scale(x, D: tl.constexpr, Q: tl.constexpr, AXIS: tl.constexpr):
+    """The L2 norm's factor of conv outputs over their channel axis ``AXIS`` (eps 1e-6), times ``D^-1/2`` for q."""
+    r = tl.rsqrt(tl.sum(x * x, axis=AXIS) + 1e-6)
     if Q:
         r = r * (D ** -0.5)
     return r
@@ -256,8 +256,8 @@ def _kda_decode_kernel(
         qc, kc, vc, taps_q, taps_k, taps_v = _token_conv(cs_base, stride_cs_w, q_ptr, stride_q, k_ptr, stride_k, v_ptr,
                                                          stride_v, tok0, t, ch, ok, commit, taps_q, taps_k, taps_v,
                                                          cw_q, cw_k, cw_v, HD, W, WP)
-        qn = qc * _norm_scale(qc, D, True)
-        kn = kc * _norm_scale(kc, D, False)
+        qn = qc * _norm_scale(qc, D, True, 0)
+        kn = kc * _norm_scale(kc, D, False, 0)
 
         if Q_LEN == 1:
             g_raw, beta = g_first, beta_first
@@ -380,8 +380,8 @@ def _kda_prep_kernel(
     dtb = tl.load(dtb_ptr + ch).to(tl.float32)
     decay = _decay(lower_bound, a, g_raw.to(tl.float32), dtb[None, :])
     beta = _sigmoid(tl.load(beta_ptr + tok * stride_beta + h, mask=valid, other=0.0).to(tl.float32))
-    q_scale = tl.rsqrt(tl.sum(qc * qc, axis=1) + 1e-6) * (D ** -0.5)
-    k_scale = tl.rsqrt(tl.sum(kc * kc, axis=1) + 1e-6)
+    q_scale = _norm_scale(qc, D, True, 1)  # [R]
+    k_scale = _norm_scale(kc, D, False, 1)
     th = tok * H + h  # [R]: the workspace rows of (token, head)
     m = valid[:, None]
     xs = xs_ptr + th[:, None] * (3 * D) + offs[None, :]  # q, k, v conv outputs: BF16 values, stored exactly
@@ -395,7 +395,6 @@ def _kda_prep_kernel(
              mask=m & (r4 < 3))
     # Every conv-state read above is done before a group's taps are overwritten (the barrier in _prep_taps); a
     # group reads and writes only its own channels.
-    tl.debug_barrier()
     _prep_taps(cs_ptr, stride_cs_s, stride_cs_w, q_ptr, stride_q, idx_ptr, acc_ptr, b0, ch, B, W, WP, RB, Q_LEN)
     _prep_taps(cs_ptr + HD, stride_cs_s, stride_cs_w, k_ptr, stride_k, idx_ptr, acc_ptr, b0, ch, B, W, WP, RB, Q_LEN)
     _prep_taps(cs_ptr + 2 * HD, stride_cs_s, stride_cs_w, v_ptr, stride_v, idx_ptr, acc_ptr, b0, ch, B, W, WP, RB,
@@ -577,8 +576,11 @@ def kda_decode_core(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_bias, o_
     if B == 0:
         return out
     if split:
+        why = split_unsupported(D, None if graw else F)
+        if why is not None:
+            raise ValueError(f"the split KDA core: {why}")
         _kda_split(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_bias, o_norm_w, conv_state, rec_state,
-                   state_indices, accepted, q_len, lower_bound, norm_eps, out)
+                   state_indices, accepted, q_len, lower_bound, norm_eps, out, B=B, H=H, D=D, F=F, W=W)
         return out
     _kda_decode_kernel[(B * H,)](
         q, k, v, g_out, f_a, beta,
@@ -598,29 +600,29 @@ def kda_decode_core(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_bias, o_
     return out
 
 
+def prep_requests(q_len: int) -> int:
+    """Requests a program of the split form's prep launch: whole requests of ``next_pow2(q_len)`` rows in
+    ``PREP_ROWS``."""
+    return max(1, PREP_ROWS // triton.next_power_of_2(q_len))
+
+
 def _kda_split(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_bias, o_norm_w, conv_state, rec_state,
-               state_indices, accepted, q_len: int, lower_bound: float, norm_eps: float, out: torch.Tensor) -> None:
-    """``kda_decode_core(split=True)``: the prep launch into a fresh workspace, then the state launch."""
-    T, HD = q.shape
-    H = beta.shape[-1]
-    D = HD // H
+               state_indices, accepted, q_len: int, lower_bound: float, norm_eps: float, out: torch.Tensor, *,
+               B: int, H: int, D: int, F: int, W: int) -> None:
+    """``kda_decode_core(split=True)`` for ``B`` requests (sizes as it derived them): the prep launch into a fresh
+    workspace, then the state launch."""
+    T = B * q_len
     graw = f_b_w is None
-    why = split_unsupported(D, None if graw else f_a.shape[-1])
-    if why is not None:
-        raise ValueError(f"the split KDA core: {why}")
-    W = conv_w.shape[-1]
-    B = T // q_len
     xs = torch.empty(T, H, 3, D, dtype=torch.bfloat16, device=q.device)  # q, k, v conv outputs
     dec = torch.empty(T, H, D, dtype=torch.float32, device=q.device)  # per-channel decay
     sc = torch.empty(T, H, 4, dtype=torch.float32, device=q.device)  # q / k norm factors, beta, (unused)
-    qp = triton.next_power_of_2(q_len)
-    rb = max(1, PREP_ROWS // qp)  # requests a prep program
+    rb = prep_requests(q_len)
     _kda_prep_kernel[(triton.cdiv(B, rb) * H,)](
         q, k, v, f_a, beta, f_a if graw else f_b_w, conv_w, A_log, dt_bias, conv_state, state_indices, accepted,
         xs, dec, sc, B,
         q.stride(0), k.stride(0), v.stride(0), f_a.stride(0), beta.stride(0), 0 if graw else f_b_w.stride(0),
         conv_w.stride(0), conv_w.stride(1), conv_state.stride(0), conv_state.stride(1), float(lower_bound),
-        H=H, D=D, F=1 if graw else f_a.shape[-1], W=W, WP=triton.next_power_of_2(W), Q_LEN=int(q_len), QP=qp, RB=rb,
+        H=H, D=D, F=F, W=W, WP=triton.next_power_of_2(W), Q_LEN=int(q_len), QP=triton.next_power_of_2(q_len), RB=rb,
         GRAW=graw, F32=_INTERPRET, num_warps=4,
     )
     _kda_state_kernel[(B * H,)](
