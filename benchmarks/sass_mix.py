@@ -165,8 +165,8 @@ def kda_prep(q_len: int = 4):
                stride_v="i32", stride_fa="i32", stride_beta="i32", stride_fbw="i32", stride_cw_c="i32",
                stride_cw_w="i32", stride_cs_s="i32", stride_cs_w="i32", lower_bound="fp32")
     consts = dict(H=cfg.kda_heads, D=cfg.kda_head_dim, F=cfg.kda_f_rank, W=cfg.kda_conv_width,
-                  WP=triton.next_power_of_2(cfg.kda_conv_width), Q_LEN=q_len, QP=triton.next_power_of_2(q_len), RB=K.prep_requests(q_len),
-                  GRAW=False, F32=False)
+                  WP=triton.next_power_of_2(cfg.kda_conv_width), Q_LEN=q_len, QP=triton.next_power_of_2(q_len),
+                  RB=K.prep_requests(q_len), GRAW=False, F32=False)
     return compile_sm90(K._kda_prep_kernel, sig, consts, num_warps=4)
 
 
