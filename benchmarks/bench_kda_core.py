@@ -225,7 +225,7 @@ def main() -> None:
         rows.append(cells)
     kernels = []
     try:  # registers / spills of every compiled specialization (best effort: Triton internals)
-        for fn in (kt._kda_decode_kernel, kt._kda_prep_kernel, kt._kda_state_kernel):
+        for fn in (kt._kda_decode_kernel, kt._kda_prep_kernel, kt._kda_state_kernel, kt._kda_norm_kernel):
             for cache in fn.device_caches.values():
                 for key, ck in cache[0].items():
                     kernels.append(dict(kernel=fn.__name__, key=str(key)[:200], n_regs=getattr(ck, "n_regs", None),

@@ -147,10 +147,10 @@ def kda_state(q_len: int = 4):
 
     cfg = PRESETS["k3"]
     H, D = cfg.kda_heads, cfg.kda_head_dim
-    sig = dict(xs_ptr="*bf16", dec_ptr="*fp32", sc_ptr="*fp32", g_ptr="*bf16", onw_ptr="*bf16", st_ptr="*fp32",
-               idx_ptr="*i32", acc_ptr="*i32", out_ptr="*bf16", stride_g="i32", stride_st_s="i32",
-               stride_st_h="i32", stride_out="i32", norm_eps="fp32")
-    return compile_sm90(K._kda_state_kernel, sig, dict(H=H, D=D, Q_LEN=q_len, ST_V=D, ST_K=1), **K.STATE_LAUNCH)
+    sig = dict(xs_ptr="*bf16", dec_ptr="*fp32", sc_ptr="*fp32", st_ptr="*fp32", idx_ptr="*i32", acc_ptr="*i32",
+               ow_ptr="*fp32", ss_ptr="*fp32", stride_st_s="i32", stride_st_h="i32")
+    consts = dict(H=H, D=D, Q_LEN=q_len, ST_V=D, ST_K=1, R=K.STATE_ROW_PARTS)
+    return compile_sm90(K._kda_state_kernel, sig, consts, **K.STATE_LAUNCH)
 
 
 def kda_prep(q_len: int = 4):

@@ -52,14 +52,15 @@ def test_attn_res_point_compiles_where_the_launch_specializes_ones(part, ones):
 
 
 def test_kda_state_loop_reduces_across_eight_lanes():
-    """The split KDA core's state launch keeps its layout: the state as four column chunks puts a warp over 4 rows x
-    8 column groups, so a token step's two reductions over k cross 8 lanes (3 shuffles a row, 4 rows a thread) and
-    the gated norm's once; in 8 warps at 128 registers, without local memory. One [Dv, Dk] tile (all 32 lanes
-    along k) takes 388 shuffles a step in the fused kernel."""
+    """The split KDA core's state launch keeps its layout: a program's quarter of the state's rows as four column
+    chunks puts a warp over 4 rows x 8 column groups, so a token step's two reductions over k cross 8 lanes (3
+    shuffles a row) and the sum of squares for the norm launch once; in 2 warps at 128 registers, without local
+    memory (27 shuffles and 548 instructions a step on Triton 3.6). One [Dv, Dk] tile (all 32 lanes along k) takes
+    388 shuffles a step in the fused kernel."""
     listing = sass_mix.sass(sass_mix.KERNELS["kda_state"]())
     assert not re.findall(r"\b(?:LDL|STL)\b", listing)
     mix = _loop_with("kda_state", "SHFL.BFLY", listing)
-    assert mix["SHFL.BFLY"] <= 40 and sum(mix.values()) <= 720, mix
+    assert mix["SHFL.BFLY"] <= 32 and sum(mix.values()) <= 600, mix
 
 
 def test_kda_prep_runs_f_b_as_one_tensor_core_product():

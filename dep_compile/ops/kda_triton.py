@@ -53,10 +53,11 @@ Supported: ``q_len <= MAX_Q_LEN`` (8), power-of-two ``D`` and ``F``, ``W <= 8``
 runs the stock KDA core op and logs the reason once).
 
 The split form (``kda_decode_core(split=True)``, where ``tactics.kda_split`` says so) runs steps 1-3 in
-``_kda_prep_kernel`` into a workspace it allocates (T x H x 1296 bytes at D = 128; under a CUDA graph in the
+``_kda_prep_kernel`` into a workspace it allocates (T x H x 1824 bytes at D = 128; under a CUDA graph in the
 graph's pool), a program for a head of ``PREP_ROWS // next_pow2(q_len)`` requests (F_B for all their tokens as one
-tensor-core product), then steps 4-5 in ``_kda_state_kernel``; it holds a head's state in 8 warps at 128
-registers, so it takes ``16 <= D <= 128`` and an F_B rank of 16 or more (:func:`split_unsupported`).
+tensor-core product), then step 4 in ``_kda_state_kernel`` (``STATE_ROW_PARTS`` programs a (request, head), each a
+quarter of the state's rows in 2 warps at 128 registers) and step 5 in ``_kda_norm_kernel``, so it takes
+``16 <= D <= 128`` and an F_B rank of 16 or more (:func:`split_unsupported`).
 
 The module imports Triton at import time: import it only where CUDA and Triton exist.
 """
@@ -74,7 +75,8 @@ from .dsa_triton import dot_fp32_acc
 __all__ = ["kda_decode_core", "kda_decode_unsupported", "split_unsupported", "MAX_Q_LEN"]
 
 MAX_Q_LEN = 8
-STATE_LAUNCH = {"num_warps": 8, "maxnreg": 128}  # the split form's state launch: two programs an SM
+STATE_ROW_PARTS = 4  # programs a (request, head) in the split form's state launch: a quarter of the state's rows each
+STATE_LAUNCH = {"num_warps": 2, "maxnreg": 128}  # the state launch: 64 state values a thread, eight programs an SM
 PREP_ROWS = 16  # token rows a program of the split form's prep launch (whole requests; the F_B product's M)
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -403,28 +405,34 @@ def _kda_prep_kernel(
 
 @triton.jit
 def _kda_state_kernel(
-    xs_ptr, dec_ptr, sc_ptr, g_ptr, onw_ptr, st_ptr, idx_ptr, acc_ptr, out_ptr,
-    stride_g, stride_st_s, stride_st_h, stride_out, norm_eps,
+    xs_ptr, dec_ptr, sc_ptr, st_ptr, idx_ptr, acc_ptr, ow_ptr, ss_ptr, stride_st_s, stride_st_h,
     H: tl.constexpr, D: tl.constexpr, Q_LEN: tl.constexpr, ST_V: tl.constexpr, ST_K: tl.constexpr,
+    R: tl.constexpr,
 ):
-    """The split form's second launch, one program per (request, head): the delta rule over the workspace's
-    inputs and the gated RMSNorm (the fused kernel's steps 4-5).
+    """The split form's second launch, R programs per (request, head), each over D / R of the state's rows: the
+    delta rule over the workspace's inputs (the fused kernel's step 4); each token's output before its norm and
+    its sum of squares over the program's rows go to ``ow`` / ``ss`` for :func:`_kda_norm_kernel`.
 
-    The state is held as four [Dv, D/4] column chunks. One [Dv, D] tile would put all 32 lanes of a warp
-    along k (its contiguous axis), so each of the two reductions a token (over k) would cross 32 lanes for
-    every row a thread holds; a chunk spreads a warp over 4 rows x 8 column groups (both Triton 3.6 and 3.9
-    choose that for a 2-D tile), the chunks' products are summed in registers and each reduction crosses
-    8 lanes once."""
+    The delta rule is row-wise (a row's prediction, update and output read only that row and the token's k / q), so
+    a head's rows split without exchange: eight such programs fit an SM where two whole heads did, and an SM's state
+    loads and token steps overlap across more of them (docs/perf.md, entry "The split KDA state launch over four row
+    parts of a head").
+
+    A program's rows are held as four [D / R, D / 4] column chunks. One [Dv, D] tile would put all 32 lanes of a
+    warp along k (its contiguous axis), so each of the two reductions a token (over k) would cross 32 lanes for
+    every row a thread holds; a chunk spreads a warp over 4 rows x 8 column groups (both Triton 3.6 and 3.9 choose
+    that for a 2-D tile), the chunks' products are summed in registers and each reduction crosses 8 lanes once."""
     pid = tl.program_id(0)
-    b = pid // H
-    h = pid % H
+    part = pid % R
+    b = pid // (H * R)
+    h = (pid // R) % H
     C: tl.constexpr = D // 4
-    rows = tl.arange(0, D)  # v: the state's rows
+    DR: tl.constexpr = D // R
+    rows = part * DR + tl.arange(0, DR)  # v: this program's rows of the state
     cols = tl.arange(0, C)  # k within a chunk
-    onw = tl.load(onw_ptr + rows).to(tl.float32)
     slot = tl.load(idx_ptr + b).to(tl.int64)
     acc = tl.load(acc_ptr + b).to(tl.int32)
-    ok_d = (tl.zeros([D], tl.int64) + slot) >= 0
+    ok_d = (tl.zeros([DR], tl.int64) + slot) >= 0
     live = ok_d[:, None] & (cols[None, :] < C)
     st = st_ptr + tl.maximum(slot, 0) * stride_st_s + h * stride_st_h + rows[:, None] * ST_V + cols[None, :] * ST_K
     S0 = tl.load(st, mask=live, other=0.0)
@@ -441,7 +449,6 @@ def _kda_state_kernel(
         k_scale = tl.load(sc_ptr + th * 4 + 1)
         beta = tl.load(sc_ptr + th * 4 + 2)
         vc = tl.load(xs_ptr + th * (3 * D) + 2 * D + rows).to(tl.float32)
-        gate = _sigmoid(tl.load(g_ptr + tok * stride_g + h * D + rows).to(tl.float32))
         k0 = tl.load(xq + D).to(tl.float32) * k_scale
         k1 = tl.load(xq + D + C).to(tl.float32) * k_scale
         k2 = tl.load(xq + D + 2 * C).to(tl.float32) * k_scale
@@ -462,16 +469,35 @@ def _kda_state_kernel(
         q3 = tl.load(xq + 3 * C).to(tl.float32) * q_scale
         o = tl.sum(S0 * q0[None, :] + S1 * q1[None, :] + S2 * q2[None, :] + S3 * q3[None, :], axis=1)
         # The state as of `accepted` tokens, stored once (see the fused kernel); the address from a fresh slot load.
-        commit = live & ((tl.zeros([D, C], tl.int32) + acc) == t + 1)
+        commit = live & ((tl.zeros([DR, C], tl.int32) + acc) == t + 1)
         so = (st_ptr + tl.maximum(tl.load(idx_ptr + b).to(tl.int64), 0) * stride_st_s + h * stride_st_h
               + rows[:, None] * ST_V + cols[None, :] * ST_K)
         tl.store(so, S0, mask=commit)
         tl.store(so + C * ST_K, S1, mask=commit)
         tl.store(so + 2 * C * ST_K, S2, mask=commit)
         tl.store(so + 3 * C * ST_K, S3, mask=commit)
-        y = o * tl.rsqrt(tl.sum(o * o, axis=0) / D + norm_eps) * onw * gate
-        y = tl.where(ok_d, y, 0.0)
-        tl.store(out_ptr + tok * stride_out + h * D + rows, y.to(out_ptr.dtype.element_ty))
+        tl.store(ow_ptr + th * D + rows, o)
+        tl.store(ss_ptr + th * R + part, tl.sum(o * o, axis=0))
+
+
+@triton.jit
+def _kda_norm_kernel(ow_ptr, ss_ptr, g_ptr, onw_ptr, idx_ptr, out_ptr, stride_g, stride_out, norm_eps,
+                     H: tl.constexpr, D: tl.constexpr, Q_LEN: tl.constexpr, R: tl.constexpr):
+    """The split form's third launch, one program per (token, head): the gated RMSNorm over the state launch's
+    outputs and row parts' sums of squares (the fused kernel's step 5)."""
+    pid = tl.program_id(0)
+    tok = (pid // H).to(tl.int64)
+    h = pid % H
+    th = tok * H + h
+    rows = tl.arange(0, D)
+    o = tl.load(ow_ptr + th * D + rows)
+    ss = tl.sum(tl.load(ss_ptr + th * R + tl.arange(0, R)), axis=0)
+    gate = _sigmoid(tl.load(g_ptr + tok * stride_g + h * D + rows).to(tl.float32))
+    onw = tl.load(onw_ptr + rows).to(tl.float32)
+    slot = tl.load(idx_ptr + tok // Q_LEN)
+    y = o * tl.rsqrt(ss / D + norm_eps) * onw * gate
+    y = tl.where((tl.zeros([D], tl.int32) + slot) >= 0, y, 0.0)
+    tl.store(out_ptr + tok * stride_out + h * D + rows, y.to(out_ptr.dtype.element_ty))
 
 
 def _pow2(n: int) -> bool:
@@ -480,11 +506,11 @@ def _pow2(n: int) -> bool:
 
 def split_unsupported(head_dim: int, f_rank: int | None) -> str | None:
     """Why the split form cannot run heads of ``head_dim`` with an F_B of rank ``f_rank`` (None: the raw gate, F_B
-    applied outside) (None: it can): the state launch holds four column chunks of the state in 8 warps at 128
+    applied outside) (None: it can): the state launch holds a quarter of the state's rows in 2 warps at 128
     registers (64 state values a thread at D = 128); the prep launch's F_B is a tensor-core product (each side 16 or
     more)."""
     if not 16 <= head_dim <= 128:
-        return f"head dim {head_dim} not in 16..128 (the split form: 8 warps at 128 registers; an MMA's N)"
+        return f"head dim {head_dim} not in 16..128 (the split form: D^2 / 4 state values in 2 warps; an MMA's N)"
     if f_rank is not None and f_rank < 16:
         return f"f rank {f_rank} under 16 (the split form's F_B product: an MMA's K)"
     return None
@@ -552,17 +578,18 @@ def kda_decode_core(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_bias, o_
     ``maxnreg`` an optional register cap (more programs per SM, at the price of spills). The output taken
     before the update (``S q + u (k . q)``) was 1.29-1.35x slower at q = 4 (docs/perf_kda.md) and is gone.
 
-    ``split``: two launches instead of one. ``_kda_prep_kernel`` computes every token's conv outputs, norm
-    factors, decay and beta into a workspace (``T x H x (3 x D BF16 + D FP32 + 4 FP32)``, allocated here), a
-    program a head of ``PREP_ROWS`` token rows with F_B as one tensor-core product (``f_b_w`` read once a program,
-    not once a token), and writes the conv taps; ``_kda_state_kernel`` runs the delta rule and the gated RMSNorm
-    from it, 8 warps at 128 registers (two programs an SM, against the fused kernel's two programs of 4 warps at
-    255), its token loop ~645 SM90 instructions a warp against the fused loop's ~2600 (``benchmarks/sass_mix.py
-    kda_state``). Same arithmetic, other FP32 summation orders; ``num_warps``, ``fb`` and ``maxnreg`` apply to the
-    fused kernel only (the split form's launches have their own). ``split`` needs :func:`split_unsupported` to be
-    None. Built for verify steps, where the fused kernel's token loop is ~3.3x the state traffic at 64 x q = 4;
-    ``tactics.KDA_SPLIT_FROM_Q`` picks it where the H200 measured it faster (its comment and docs/perf.md give the
-    numbers).
+    ``split``: three launches instead of one. ``_kda_prep_kernel`` computes every token's conv outputs, norm
+    factors, decay and beta into a workspace (``T x H x (3 x D BF16 + 2 x D FP32 + 8 FP32)`` with the state launch's
+    outputs, allocated here), a program a head of ``PREP_ROWS`` token rows with F_B as one tensor-core product
+    (``f_b_w`` read once a program, not once a token), and writes the conv taps; ``_kda_state_kernel`` runs the
+    delta rule from it, four programs a (request, head) over a quarter of the state's rows each, 2 warps at 128
+    registers (eight programs an SM, against the fused kernel's two programs of 4 warps at 255), its token loop ~550
+    SM90 instructions a warp against the fused loop's ~2600 (``benchmarks/sass_mix.py kda_state``);
+    ``_kda_norm_kernel`` then applies the gated RMSNorm from the row parts' sums of squares. Same arithmetic, other
+    FP32 summation orders; ``num_warps``, ``fb`` and ``maxnreg`` apply to the fused kernel only (the split form's
+    launches have their own). ``split`` needs :func:`split_unsupported` to be None. Built for verify steps, where
+    the fused kernel's token loop is ~3.3x the state traffic at 64 x q = 4; ``tactics.KDA_SPLIT_FROM_Q`` picks it
+    where the H200 measured it faster (its comment and docs/perf.md give the numbers).
     """
     T, HD = q.shape
     H = beta.shape[-1]
@@ -610,7 +637,7 @@ def _kda_split(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_bias, o_norm_
                state_indices, accepted, q_len: int, lower_bound: float, norm_eps: float, out: torch.Tensor, *,
                B: int, H: int, D: int, F: int, W: int) -> None:
     """``kda_decode_core(split=True)`` for ``B`` requests (sizes as it derived them): the prep launch into a fresh
-    workspace, then the state launch."""
+    workspace, the state launch, then the norm launch."""
     T = B * q_len
     graw = f_b_w is None
     xs = torch.empty(T, H, 3, D, dtype=torch.bfloat16, device=q.device)  # q, k, v conv outputs
@@ -625,9 +652,13 @@ def _kda_split(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_bias, o_norm_
         H=H, D=D, F=F, W=W, WP=triton.next_power_of_2(W), Q_LEN=int(q_len), QP=triton.next_power_of_2(q_len), RB=rb,
         GRAW=graw, F32=_INTERPRET, num_warps=4,
     )
-    _kda_state_kernel[(B * H,)](
-        xs, dec, sc, g_out, o_norm_w, rec_state, state_indices, accepted, out,
-        g_out.stride(0), rec_state.stride(0), rec_state.stride(1), out.stride(0), float(norm_eps),
-        H=H, D=D, Q_LEN=int(q_len), ST_V=rec_state.stride(2), ST_K=rec_state.stride(3),
+    R = STATE_ROW_PARTS
+    ow = torch.empty(T, H, D, dtype=torch.float32, device=q.device)  # o before its norm
+    ss = torch.empty(T, H, R, dtype=torch.float32, device=q.device)  # o's sum of squares, one a row part
+    _kda_state_kernel[(B * H * R,)](
+        xs, dec, sc, rec_state, state_indices, accepted, ow, ss, rec_state.stride(0), rec_state.stride(1),
+        H=H, D=D, Q_LEN=int(q_len), ST_V=rec_state.stride(2), ST_K=rec_state.stride(3), R=R,
         **STATE_LAUNCH,
     )
+    _kda_norm_kernel[(T * H,)](ow, ss, g_out, o_norm_w, state_indices, out, g_out.stride(0), out.stride(0),
+                               float(norm_eps), H=H, D=D, Q_LEN=int(q_len), R=R, num_warps=1)
