@@ -187,6 +187,12 @@ def _norm_scale(x, D: tl.constexpr, Q: tl.constexpr, AXIS: tl.constexpr):
 
 
 @triton.jit
+def _gated_norm(o, sum_sq, onw, gate, ok, D: tl.constexpr, norm_eps):
+    """The output's gated RMSNorm from its sum of squares over the head's D channels; 0 where ``ok`` is False."""
+    return tl.where(ok, o * tl.rsqrt(sum_sq / D + norm_eps) * onw * gate, 0.0)
+
+
+@triton.jit
 def _decay(lower_bound, a, g_raw, dtb):
     """The per-channel state decay ``exp(lower_bound * sigmoid(a * (g_raw + dt_bias)))``."""
     return tl.exp(lower_bound * _sigmoid(a * (g_raw + dtb)))
@@ -283,8 +289,7 @@ def _kda_decode_kernel(
         st_out = st_ptr + slot_s * stride_st_s + h * stride_st_h + offs[:, None] * ST_V + offs[None, :] * ST_K
         tl.store(st_out, S, mask=st_mask & commit[None, :])
 
-        y = o * tl.rsqrt(tl.sum(o * o, axis=0) / D + norm_eps) * onw * gate
-        y = tl.where(ok_d, y, 0.0)
+        y = _gated_norm(o, tl.sum(o * o, axis=0), onw, gate, ok_d, D, norm_eps)
         tl.store(out_ptr + tok * stride_out + ch, y.to(out_ptr.dtype.element_ty))
 
     # Every conv-state read of this program is done before its taps are overwritten. accepted = 0
@@ -495,8 +500,7 @@ def _kda_norm_kernel(ow_ptr, ss_ptr, g_ptr, onw_ptr, idx_ptr, out_ptr, stride_g,
     gate = _sigmoid(tl.load(g_ptr + tok * stride_g + h * D + rows).to(tl.float32))
     onw = tl.load(onw_ptr + rows).to(tl.float32)
     slot = tl.load(idx_ptr + tok // Q_LEN)
-    y = o * tl.rsqrt(ss / D + norm_eps) * onw * gate
-    y = tl.where((tl.zeros([D], tl.int32) + slot) >= 0, y, 0.0)
+    y = _gated_norm(o, ss, onw, gate, (tl.zeros([D], tl.int32) + slot) >= 0, D, norm_eps)
     tl.store(out_ptr + tok * stride_out + h * D + rows, y.to(out_ptr.dtype.element_ty))
 
 
