@@ -148,6 +148,16 @@ def expert_weights(fmt: str, E: int, copies: int, seed: int = 0):
              for _ in range(copies)])
 
 
+_TILES = dict(block_k=128, num_stages=4, ptx_dequant=True, tiles=True)
+CROWDED_TACTICS = [  # MXFP4 where experts hold ~64 rows (verify steps: 64 requests x q = 4 on 64 experts)
+    ExpertsTactic(**_TILES, block_m=64, big_m=128),  # one pass up to 64 rows, 128-row passes above
+    ExpertsTactic(**_TILES, maxnreg=168, block_m=64),  # one pass up to 64 rows, the full pipeline
+    ExpertsTactic(**_TILES, block_m=128, big_m=128),  # one 128-row pass
+    ExpertsTactic(128, 128, **_TILES, num_warps=8),  # 128 weight rows a program: half the activation re-reads
+    ExpertsTactic(128, 128, **_TILES, num_warps=8, block_m=64, big_m=128),
+]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
@@ -155,13 +165,16 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--sweep", action="store_true", help="also time the tactics in SWEEP")
     ap.add_argument("--format", choices=["bf16", "mxfp4"], default="bf16", help="the experts' weights")
+    ap.add_argument("--crowded", action="store_true",
+                    help="MXFP4: time CROWDED_TACTICS (pass sizes and tile widths for ~64 rows an expert) instead of "
+                         "MXFP4_TACTICS")
     ap.add_argument("--ncu", action="store_true", help="launch each tactic once a point, time nothing (under ncu)")
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     default = DEFAULT_MXFP4_TACTIC if args.format == "mxfp4" else DEFAULT_TACTIC
     tactics = {"dep": default, "1 slice": dataclasses.replace(default, split_k=1)}
     if args.format == "mxfp4":  # the two dequantizers: Triton integer ops (default) and PTX (two values an op)
-        tactics.update({str(t): t for t in MXFP4_TACTICS})
+        tactics.update({str(t): t for t in (CROWDED_TACTICS if args.crowded else MXFP4_TACTICS)})
     if args.sweep:
         tactics.update({str(t): t for t in SWEEP})
     E_SLICE, E_EP, EP_START, EP_TOTAL = 64, 56, 3 * 56, 896

@@ -111,9 +111,11 @@ def test_ep_ids_of_other_ranks(size, T):
 
 @device_test
 @pytest.mark.parametrize("size", SIZES)
-def test_one_expert_takes_every_token_and_empty_experts(size):
+@pytest.mark.parametrize("passes", [None, (16, 32), (64, 128)], ids=["default", "m16big32", "m64big128"])
+def test_one_expert_takes_every_token_and_empty_experts(size, passes):
     """Every token picks local expert 3 (plus other ranks' ids); the other local experts are empty.
-    70 rows: more than one pass of block_m (32), so the crowded-expert loop runs two passes of 64."""
+    70 rows: more than one pass of block_m (32), so the crowded-expert loop runs two passes of 64 (``passes``
+    (block_m, big_m): three of 32, or one of 128)."""
     et = _et()
     sh = _shape(size)
     E, K = sh["E"], sh["K"]
@@ -122,7 +124,10 @@ def test_one_expert_takes_every_token_and_empty_experts(size):
     ids = torch.stack([torch.cat([torch.tensor([3]), E + torch.randperm(2 * E, generator=g)[: K - 1]])
                        for _ in range(T)])
     ids = ids[:, torch.randperm(K, generator=g)]  # expert 3 in any slot
-    _check(et, _case(T, **sh, ids=ids, seed=8), 0, _tactic(et, size))
+    tactic = _tactic(et, size)
+    if passes:
+        tactic = dataclasses.replace(tactic, block_m=passes[0], big_m=passes[1])
+    _check(et, _case(T, **sh, ids=ids, seed=8), 0, tactic)
 
 
 @device_test

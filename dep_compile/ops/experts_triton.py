@@ -76,6 +76,7 @@ class ExpertsTactic:
     num_warps: int = 4
     num_stages: int = 4
     block_m: int | None = None
+    big_m: int = BIG_M  # rows a pass of an expert with more than block_m rows
     ptx_dequant: bool = False  # MXFP4 on CUDA: dequantize with _DEQUANT_PTX (two values an instruction) instead of
                                # Triton integer ops (the interpreter always runs the latter)
     tiles: bool = False  # MXFP4 in the checkpoint's layout: read a copy re-packed in the MMA's operand order
@@ -87,7 +88,8 @@ class ExpertsTactic:
     def __str__(self) -> str:
         return (f"n{self.block_n1}/{self.block_n2}k{self.block_k}w{self.num_warps}s{self.num_stages}m{self.block_m}"
                 + ("ptx" if self.ptx_dequant else "") + ("tiles" if self.tiles else "")
-                + (f"r{self.maxnreg}" if self.maxnreg else "") + f"split{self.split_k}f{self.fill}")
+                + (f"r{self.maxnreg}" if self.maxnreg else "") + f"split{self.split_k}f{self.fill}"
+                + (f"big{self.big_m}" if self.big_m != BIG_M else ""))
 
 
 DEFAULT_TACTIC = ExpertsTactic()
@@ -659,7 +661,7 @@ def routed_experts_triton(
     _count_kernel[(E,)](ids, order, row_of, slot, meta, P, int(expert_start), E, CHUNK=chunk,
                         EP=max(2, triton.next_power_of_2(E)), num_warps=chunk // 256)
     bm = tactic.block_m or experts_block_m(T)
-    big = max(bm, BIG_M)
+    big = max(bm, tactic.big_m)
     slots = _slots(dev, tactic)
     common = dict(LAT=lat, INTER=inter, BLOCK_M=bm, BIG_M=big, BLOCK_K=tactic.block_k, MXFP4=mxfp4,
                   PTX=mxfp4 and tactic.ptx_dequant and not _INTERPRET, TILES=bool(tiled), INTERPRET=_INTERPRET,
