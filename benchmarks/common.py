@@ -10,7 +10,9 @@ How the project times GPU work (docs/design.md §7.2):
   so no launch finds its weights in L2;
 * never on zeros: inputs are random;
 * floors: the bytes that must move over the practical read ceiling (4.33 TB/s, a streaming
-  read measured on the H200) and over the spec (4.8 TB/s).
+  read measured on the H200) and over the spec (4.8 TB/s). The floors are the H200's on any GPU; each run's
+  ``env`` records the GPU's own read ceiling (``hbm_read_tbps``), by which a run on another GPU (an H100 reads
+  ~30 % slower) is set against its own floor.
 
 Nothing here imports CUDA-only packages at import time; matplotlib is imported by
 :func:`plot_panels` only.
@@ -233,8 +235,27 @@ def wall_attribution(kernels: Sequence[Mapping[str, object]], group_of: Callable
                 idle_gaps=len(spans), longest_idle=longest)
 
 
+def read_ceiling_tbps(nbytes: int = 1 << 30, reps: int = 20) -> float | None:
+    """This GPU's streaming-read ceiling in TB/s: ``torch.sum`` over ``nbytes`` of FP32, the median of ``reps``
+    event-timed calls; None where less than twice ``nbytes`` is free (a full-depth rank leaves no room)."""
+    if torch.cuda.mem_get_info()[0] < 2 * nbytes:
+        return None
+    x = torch.rand(nbytes // 4, device="cuda")
+    torch.sum(x)
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.sum(x)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    del x
+    return nbytes / statistics.median(times) / 1e12
+
+
 def env_info() -> dict[str, object]:
-    """Where a measurement ran: date, host, GPU, SMs, L2, torch / CUDA / Triton versions."""
+    """Where a measurement ran: date, host, GPU, SMs, L2, its read ceiling, torch / CUDA / Triton versions."""
     info: dict[str, object] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "host": platform.node(),
@@ -256,6 +277,7 @@ def env_info() -> dict[str, object]:
             l2_bytes=l2_bytes(),
             memory_bytes=props.total_memory,
             capability=f"{props.major}.{props.minor}",
+            hbm_read_tbps=read_ceiling_tbps(),
         )
     return info
 
