@@ -148,13 +148,14 @@ def expert_weights(fmt: str, E: int, copies: int, seed: int = 0):
              for _ in range(copies)])
 
 
-_TILES = dict(block_k=128, num_stages=4, ptx_dequant=True, tiles=True)
+_NO_CAP = dataclasses.replace(DEFAULT_MXFP4_TACTIC, maxnreg=None)  # the default's tiles, the compiler's registers
 CROWDED_TACTICS = [  # MXFP4 where experts hold ~64 rows (verify steps: 64 requests x q = 4 on 64 experts)
-    ExpertsTactic(**_TILES, block_m=64, big_m=128),  # one pass up to 64 rows, 128-row passes above
-    ExpertsTactic(**_TILES, maxnreg=168, block_m=64),  # one pass up to 64 rows, the full pipeline
-    ExpertsTactic(**_TILES, block_m=128, big_m=128),  # one 128-row pass
-    ExpertsTactic(128, 128, **_TILES, num_warps=8),  # 128 weight rows a program: half the activation re-reads
-    ExpertsTactic(128, 128, **_TILES, num_warps=8, block_m=64, big_m=128),
+    dataclasses.replace(_NO_CAP, block_m=64, big_m=128),  # one pass up to 64 rows, 128-row passes above
+    dataclasses.replace(DEFAULT_MXFP4_TACTIC, block_m=64),  # one pass up to 64 rows, the full pipeline
+    dataclasses.replace(_NO_CAP, block_m=128, big_m=128),  # one 128-row pass
+    dataclasses.replace(_NO_CAP, block_n1=128, block_n2=128, num_warps=8),  # 128 weight rows a program: half the
+                                                                             # activation re-reads
+    dataclasses.replace(_NO_CAP, block_n1=128, block_n2=128, num_warps=8, block_m=64, big_m=128),
 ]
 
 
