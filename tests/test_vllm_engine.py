@@ -35,6 +35,7 @@ import importlib.metadata
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -78,15 +79,23 @@ CASES = {**{name: (name, "bf16", "bf16", 0, False) for name in KINDS},
          "k31-small-mxfp4": ("k31-small", "mxfp4", "bf16", 1, False),
          "k31-small-fp8": ("k31-small", "mxfp4", "fp8_block", 1, False),
          **({"k31-small-amx": ("k31-small", "bf16", "bf16", 0, True)} if HAS_AMX else {})}
+ENGINE_TIMEOUT = 600  # s an engine run may take (the DP2 run, the longest: 104-119 s on 2 cores, 2026-12-07)
 DEFAULT_SEQS = 256  # vLLM 0.32's max_num_seqs for the LLM class on CPU (engine/arg_utils.py, default batch sizes)
 
 
 def run_engine(model: Path, mode: str, out: Path, *args: str, amx: bool = False) -> tuple[dict, str]:
     """One engine in a fresh process, on vLLM's CPU path without AMX unless ``amx``: (its JSON result, its log)."""
-    proc = subprocess.run([sys.executable, str(RUNNER), "--model", str(model), "--mode", mode, "--out", str(out),
-                           "--max-tokens", str(MAX_TOKENS), *args, *([] if amx else ["--no-amx"])],
-                          capture_output=True, text=True, env={**os.environ, **ENV}, timeout=600)
-    log = proc.stdout + proc.stderr
+    proc = subprocess.Popen([sys.executable, str(RUNNER), "--model", str(model), "--mode", mode, "--out", str(out),
+                             "--max-tokens", str(MAX_TOKENS), *args, *([] if amx else ["--no-amx"])],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **ENV},
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=ENGINE_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the runner and what it started: DP ranks, engine cores, workers
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"the engine ran past {ENGINE_TIMEOUT} s; the end of its log:\n{(stdout + stderr)[-6000:]}")
+    log = stdout + stderr
     assert proc.returncode == 0, log[-4000:]
     return json.loads(out.read_text()), log
 
