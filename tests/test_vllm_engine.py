@@ -79,7 +79,7 @@ CASES = {**{name: (name, "bf16", "bf16", 0, False) for name in KINDS},
          "k31-small-mxfp4": ("k31-small", "mxfp4", "bf16", 1, False),
          "k31-small-fp8": ("k31-small", "mxfp4", "fp8_block", 1, False),
          **({"k31-small-amx": ("k31-small", "bf16", "bf16", 0, True)} if HAS_AMX else {})}
-ENGINE_TIMEOUT = 600  # s an engine run may take (the DP2 run, the longest: 104-119 s on 2 cores, 2026-12-07)
+ENGINE_TIMEOUT = 600  # s an engine run may take (the longest, the DP2 engine: 104 s on 2 busy cores, 2026-12-07)
 DEFAULT_SEQS = 256  # vLLM 0.32's max_num_seqs for the LLM class on CPU (engine/arg_utils.py, default batch sizes)
 
 

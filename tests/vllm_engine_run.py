@@ -144,7 +144,7 @@ def dp_rank(args, rank: int, size: int, port: int, out: str) -> None:
 def dp_master_port(span: int = 8) -> int:
     """A first port for vLLM's DP groups: it takes ``VLLM_DP_MASTER_PORT`` and the ports after it, one a group
     (front end, engine core, worker), so ``span`` of them must be free. Drawn below the kernel's ephemeral range,
-    where no other connection's own port can take one between this check and vLLM's bind."""
+    where no outgoing connection's own port can take one between this check and vLLM's bind."""
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
         ephemeral = int(f.read().split()[0])
     for port in random.Random().sample(range(20000, ephemeral - span), 64):
