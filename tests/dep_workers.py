@@ -5,19 +5,17 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from free_ports import free_ports
+
 
 def run_ranks(fn, world, *args):
     """``fn(rank, world, port, *args)`` in ``world`` spawned processes, on a free local port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(fn, args=(world, port, *args), nprocs=world, join=True)
+    mp.spawn(fn, args=(world, free_ports(), *args), nprocs=world, join=True)
 
 
 def _init(rank, world, port, backend="gloo"):

@@ -24,9 +24,9 @@ import argparse
 import json
 import multiprocessing
 import os
-import random
-import socket
 import time
+
+from free_ports import free_ports
 
 PROMPTS = [[5, 6, 7], list(range(10, 22)), [300, 301, 302, 303, 304, 305, 306], [42]]
 
@@ -141,26 +141,9 @@ def dp_rank(args, rank: int, size: int, port: int, out: str) -> None:
         json.dump(res, f)
 
 
-def dp_master_port(span: int = 8) -> int:
-    """A first port for vLLM's DP groups: it takes ``VLLM_DP_MASTER_PORT`` and the ports after it, one a group
-    (front end, engine core, worker), so ``span`` of them must be free. Drawn below the kernel's ephemeral range,
-    where no outgoing connection's own port can take one between this check and vLLM's bind."""
-    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-        ephemeral = int(f.read().split()[0])
-    for port in random.Random().sample(range(20000, ephemeral - span), 64):
-        try:
-            for p in range(port, port + span):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-        except OSError:
-            continue
-        return port
-    raise RuntimeError(f"no {span} free ports in a row below {ephemeral}")
-
-
 def run_dp(args) -> dict:
     """``args.dp`` DP ranks, one process each; their outputs merged in prompt order."""
-    port = dp_master_port()
+    port = free_ports(8)  # VLLM_DP_MASTER_PORT and the ports after it, one a DP group (front end, core, worker)
     ctx = multiprocessing.get_context("spawn")
     parts = [f"{args.out}.rank{r}" for r in range(args.dp)]
     procs = [ctx.Process(target=dp_rank, args=(args, r, args.dp, port, parts[r])) for r in range(args.dp)]
