@@ -141,8 +141,8 @@ def kda_core(q_len: int = 4):
 
 
 def kda_state(q_len: int = 4):
-    """The split KDA core's state launch (delta rule and gated norm over the prep launch's workspace) at K3's
-    size, a verify step of ``q_len`` tokens, with its launch's warps and register cap."""
+    """The split KDA core's state launch (the delta rule over the prep launch's workspace, a quarter of a head's
+    rows a program) at K3's size, a verify step of ``q_len`` tokens, with its launch's warps and register cap."""
     from dep_compile.ops import kda_triton as K  # noqa: PLC0415
 
     cfg = PRESETS["k3"]

@@ -124,7 +124,7 @@ if _DEV == "cpu":
     CASES = [(size, B, q) for (size, B, q) in CASES if size == "small"]
 
 
-# The two forms of the core: one fused launch (the default), or the prep and state launches (``split``).
+# The two forms of the core: one fused launch (the default), or the prep, state and norm launches (``split``).
 FORMS = pytest.mark.parametrize("split", [False, True], ids=["fused", "split"])
 
 
@@ -222,8 +222,9 @@ def test_kda_split_form_runs_its_own_launches(monkeypatch):
     monkeypatch.setattr(kt, "_kda_decode_kernel", None)
     check(c, 2, run_kernel(kt, c, 2, split=True), ref)
     assert kt.split_unsupported(D, Fr) is None and kt.split_unsupported(128, None) is None
-    assert "256" in kt.split_unsupported(256, 128) and "8 " in kt.split_unsupported(8, 128)
-    assert "rank 8 " in kt.split_unsupported(128, 8)
+    assert "head dim 256 " in kt.split_unsupported(256, 128) and "head dim 8 " in kt.split_unsupported(8, 128)
+    assert "rank 8 " in kt.split_unsupported(128, 8) and "rank 1024 " in kt.split_unsupported(128, 1024)
+    assert kt.split_unsupported(128, kt.SPLIT_MAX_F_RANK) is None
     with pytest.raises(ValueError, match="rank 8 "):
         kt.kda_decode_core(c["q"], c["k"], c["v"], c["f_a"][:, :8], c["f_b_w"][:, :8], c["beta"], c["g_out"],
                            c["conv_w"], c["A_log"], c["dt_bias"], c["o_norm_w"], c["conv_state"], c["rec_state"],
@@ -257,6 +258,39 @@ def test_prepared_kda_core_takes_the_split_form_from_its_tactic(monkeypatch):
                         c["accepted"], q_len)
         check(c, q_len, out, ref)
     assert forms == [False, True, True]
+
+
+@pytest.mark.skipif(_DEV == "cpu", reason="routing needs CUDA tensors")
+def test_prepared_kda_core_keeps_one_launch_for_an_f_rank_past_the_split_form(monkeypatch, caplog):
+    """An F_B rank past ``SPLIT_MAX_F_RANK`` at a step the tactic gives the split form: the fused kernel runs (the
+    reference's result), and the reason is logged once."""
+    kt = _kt()
+    from dep_compile import tactics  # noqa: PLC0415
+    from dep_compile.ops.kda import PreparedKda  # noqa: PLC0415
+
+    forms, launch = [], kt.kda_decode_core
+
+    def spy(*args, split=False, **kw):
+        forms.append(split)
+        return launch(*args, split=split, **kw)
+
+    monkeypatch.setattr(kt, "kda_decode_core", spy)
+    monkeypatch.setattr(tactics, "KDA_SPLIT_FROM_Q", 2)
+    H, D, Fr = 2, 16, 2 * kt.SPLIT_MAX_F_RANK
+    prep = PreparedKda(heads=H, head_dim=D, f_rank=Fr, lower_bound=LOWER_BOUND, norm_eps=NORM_EPS,
+                       in_proj=None, o_proj=None)
+    with fallback_log():
+        for seed in (31, 32):
+            c = make_case(H, D, Fr, 4, 2, seed=seed, device=_DEV)
+            ref = reference(c, 2)
+            with caplog.at_level("WARNING", logger="dep_compile.ops.fallbacks"):
+                out = prep.core(c["q"], c["k"], c["v"], c["f_a"], c["f_b_w"], c["beta"], c["g_out"], c["conv_w"],
+                                c["A_log"], c["dt_bias"], c["o_norm_w"], c["conv_state"], c["rec_state"],
+                                c["state_indices"], c["accepted"], 2)
+            check(c, 2, out, ref)
+    assert forms == [False, False]
+    warnings = [r.getMessage() for r in caplog.records if "KDA layer" in r.getMessage()]
+    assert len(warnings) == 1 and f"f rank {Fr} over" in warnings[0], warnings
 
 
 @FORMS

@@ -33,7 +33,8 @@ class PreparedKda:
         """The KDA core with the F_B gate computed inside it: [T, H*D] BF16.
 
         CUDA: the one-launch Triton decode core (conv, F_B gate, norms, delta rule, gated RMSNorm), or its
-        two launches where ``tactics.kda_split`` says so and the head fits them (else the one launch).
+        split form where ``tactics.kda_split`` says so and the head fits it (else the one launch, the reason logged
+        once).
         A call it does not support (q_len > 8, odd shapes or strides; decided from metadata, no
         sync) runs the stock op instead (on CUDA its graph-capturable kernels), after F_B as a
         linear, and the reason is logged once per process; states the stock CUDA op cannot
@@ -51,7 +52,11 @@ class PreparedKda:
                                          rec_state, state_indices, accepted, q_len)
             if why is None:
                 f_rank = None if f_b_w is None else self.f_rank
-                split = tactics.kda_split(q_len) and split_unsupported(self.head_dim, f_rank) is None
+                split = tactics.kda_split(q_len)
+                why_split = split_unsupported(self.head_dim, f_rank) if split else None
+                if why_split:
+                    log_fallback("KDA", f"the split form: {why_split}", "the one-launch Triton KDA core")
+                    split = False
                 return kda_decode_core(q, k, v, f_a, f_b_w, beta, g, conv_w, A_log, dt_bias, o_norm_w, conv_state,
                                        rec_state, state_indices, accepted, q_len, self.lower_bound, self.norm_eps,
                                        split=split)

@@ -57,7 +57,7 @@ The split form (``kda_decode_core(split=True)``, where ``tactics.kda_split`` say
 graph's pool), a program for a head of ``PREP_ROWS // next_pow2(q_len)`` requests (F_B for all their tokens as one
 tensor-core product), then step 4 in ``_kda_state_kernel`` (``STATE_ROW_PARTS`` programs a (request, head), each a
 quarter of the state's rows in 2 warps at 128 registers) and step 5 in ``_kda_norm_kernel``, so it takes
-``16 <= D <= 128`` and an F_B rank of 16 or more (:func:`split_unsupported`).
+``16 <= D <= 128`` and an F_B rank of 16 to 256 (:func:`split_unsupported`).
 
 The module imports Triton at import time: import it only where CUDA and Triton exist.
 """
@@ -504,6 +504,9 @@ def _kda_norm_kernel(ow_ptr, ss_ptr, g_ptr, onw_ptr, idx_ptr, out_ptr, stride_g,
     tl.store(out_ptr + tok * stride_out + h * D + rows, y.to(out_ptr.dtype.element_ty))
 
 
+SPLIT_MAX_F_RANK = 256  # the prep launch's whole-F product: 72 KB of shared memory at 256 on SM90 (K3: 128)
+
+
 def _pow2(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
 
@@ -511,12 +514,15 @@ def _pow2(n: int) -> bool:
 def split_unsupported(head_dim: int, f_rank: int | None) -> str | None:
     """Why the split form cannot run heads of ``head_dim`` with an F_B of rank ``f_rank`` (None: the raw gate, F_B
     applied outside) (None: it can): the state launch holds a quarter of the state's rows in 2 warps at 128
-    registers (64 state values a thread at D = 128); the prep launch's F_B is a tensor-core product (each side 16 or
-    more)."""
+    registers (64 state values a thread at D = 128); the prep launch's F_B is one tensor-core product (each side 16
+    or more, the rank at most ``SPLIT_MAX_F_RANK``)."""
     if not 16 <= head_dim <= 128:
         return f"head dim {head_dim} not in 16..128 (the split form: D^2 / 4 state values in 2 warps; an MMA's N)"
     if f_rank is not None and f_rank < 16:
         return f"f rank {f_rank} under 16 (the split form's F_B product: an MMA's K)"
+    if f_rank is not None and f_rank > SPLIT_MAX_F_RANK:
+        return (f"f rank {f_rank} over {SPLIT_MAX_F_RANK} (the prep launch holds all of f_a and F_B's weight for one "
+                "product: 72 KB of shared memory at 256, past an SM's 227 KB at 1024)")
     return None
 
 
@@ -564,7 +570,7 @@ def kda_decode_core(q, k, v, f_a, f_b_w, beta, g_out, conv_w, A_log, dt_bias, o_
                     state_indices, accepted, q_len: int, lower_bound: float, norm_eps: float, *,
                     num_warps: int = 4, fb: int = 32, maxnreg: int | None = None,
                     out: torch.Tensor | None = None, split: bool = False) -> torch.Tensor:
-    """The KDA core of one decode / verify step (one launch; two with ``split``); mutates both states.
+    """The KDA core of one decode / verify step (one launch; three with ``split``); mutates both states.
 
     Arguments in :class:`PreparedKda.core` order (shapes in the module docstring):
     q, k, v [T, H*D] bf16; f_a [T, F] bf16; f_b_w [H*D, F] bf16 (or None: f_a is the raw gate [T, H*D] bf16,
