@@ -39,12 +39,13 @@ from triton.compiler import ASTSource  # noqa: E402
 from dep_compile.stock.config import PRESETS  # noqa: E402
 
 
-def compile_sm90(kernel, signature: dict, constexprs: dict, **options):
+def compile_sm90(kernel, signature: dict, constexprs: dict, unaligned=(), **options):
     """``kernel`` compiled for SM90 with ``signature`` (name -> Triton type) and ``constexprs``; pointers and
-    ``stride*`` arguments marked 16-byte aligned, as a launch with such tensors specializes them."""
+    ``stride*`` arguments (but those named in ``unaligned``) marked 16-byte aligned, as a launch with such tensors
+    specializes them."""
     sig = dict(signature, **{k: "constexpr" for k in constexprs})
     names = list(sig)
-    aligned = [n for n in names if sig[n].startswith("*") or n.startswith("stride")]
+    aligned = [n for n in names if (sig[n].startswith("*") or n.startswith("stride")) and n not in unaligned]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     src = ASTSource(kernel, sig, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
@@ -163,11 +164,12 @@ def kda_prep(q_len: int = 4):
                cw_ptr="*bf16", alog_ptr="*fp32", dtb_ptr="*fp32", cs_ptr="*bf16", idx_ptr="*i32", acc_ptr="*i32",
                xs_ptr="*bf16", dec_ptr="*fp32", sc_ptr="*fp32", B="i32", stride_q="i32", stride_k="i32",
                stride_v="i32", stride_fa="i32", stride_beta="i32", stride_fbw="i32", stride_cw_c="i32",
-               stride_cw_w="i32", stride_cs_s="i32", stride_cs_w="i32", lower_bound="fp32")
+               stride_cw_w="constexpr", stride_cs_s="i32", stride_cs_w="i32", lower_bound="fp32")
     consts = dict(H=cfg.kda_heads, D=cfg.kda_head_dim, F=cfg.kda_f_rank, W=cfg.kda_conv_width,
                   WP=triton.next_power_of_2(cfg.kda_conv_width), Q_LEN=q_len, QP=triton.next_power_of_2(q_len),
-                  RB=K.prep_requests(q_len), GRAW=False, F32=False)
-    return compile_sm90(K._kda_prep_kernel, sig, consts, num_warps=4)
+                  RB=K.prep_requests(q_len), GRAW=False, F32=False,
+                  stride_cw_w=1)  # conv_w [3 HD, W] contiguous: the launch makes its unit stride a constant
+    return compile_sm90(K._kda_prep_kernel, sig, consts, unaligned=("stride_cw_c",), num_warps=4)  # W: not 16-aligned
 
 
 def sparse_mla(tokens: int = 64):
