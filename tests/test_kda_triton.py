@@ -231,11 +231,9 @@ def test_kda_split_form_runs_its_own_launches(monkeypatch):
                            c["state_indices"], c["accepted"], 2, LOWER_BOUND, NORM_EPS, split=True)
 
 
-@pytest.mark.skipif(_DEV == "cpu", reason="routing needs CUDA tensors")
-def test_prepared_kda_core_takes_the_split_form_from_its_tactic(monkeypatch):
-    """PreparedKda.core runs the split form at steps of ``tactics.KDA_SPLIT_FROM_Q`` or more tokens a request and
-    the fused kernel below, each matching the reference."""
-    kt = _kt()
+def _split_from_q2(monkeypatch, kt, H, D, Fr):
+    """(a PreparedKda of these sizes whose tactic gives the split form from q = 2, the ``split`` of each core launch
+    it makes)."""
     from dep_compile import tactics  # noqa: PLC0415
     from dep_compile.ops.kda import PreparedKda  # noqa: PLC0415
 
@@ -247,9 +245,17 @@ def test_prepared_kda_core_takes_the_split_form_from_its_tactic(monkeypatch):
 
     monkeypatch.setattr(kt, "kda_decode_core", spy)
     monkeypatch.setattr(tactics, "KDA_SPLIT_FROM_Q", 2)
-    H, D, Fr = SIZES["small"]
     prep = PreparedKda(heads=H, head_dim=D, f_rank=Fr, lower_bound=LOWER_BOUND, norm_eps=NORM_EPS,
                        in_proj=None, o_proj=None)
+    return prep, forms
+
+
+@pytest.mark.skipif(_DEV == "cpu", reason="routing needs CUDA tensors")
+def test_prepared_kda_core_takes_the_split_form_from_its_tactic(monkeypatch):
+    """PreparedKda.core runs the split form at steps of ``tactics.KDA_SPLIT_FROM_Q`` or more tokens a request and
+    the fused kernel below, each matching the reference."""
+    H, D, Fr = SIZES["small"]
+    prep, forms = _split_from_q2(monkeypatch, _kt(), H, D, Fr)
     for q_len in (1, 2, 4):
         c = make_case(H, D, Fr, 4, q_len, seed=15 + q_len, device=_DEV)
         ref = reference(c, q_len)
@@ -265,20 +271,8 @@ def test_prepared_kda_core_keeps_one_launch_for_an_f_rank_past_the_split_form(mo
     """An F_B rank past ``SPLIT_MAX_F_RANK`` at a step the tactic gives the split form: the fused kernel runs (the
     reference's result), and the reason is logged once."""
     kt = _kt()
-    from dep_compile import tactics  # noqa: PLC0415
-    from dep_compile.ops.kda import PreparedKda  # noqa: PLC0415
-
-    forms, launch = [], kt.kda_decode_core
-
-    def spy(*args, split=False, **kw):
-        forms.append(split)
-        return launch(*args, split=split, **kw)
-
-    monkeypatch.setattr(kt, "kda_decode_core", spy)
-    monkeypatch.setattr(tactics, "KDA_SPLIT_FROM_Q", 2)
     H, D, Fr = 2, 16, 2 * kt.SPLIT_MAX_F_RANK
-    prep = PreparedKda(heads=H, head_dim=D, f_rank=Fr, lower_bound=LOWER_BOUND, norm_eps=NORM_EPS,
-                       in_proj=None, o_proj=None)
+    prep, forms = _split_from_q2(monkeypatch, kt, H, D, Fr)
     with fallback_log():
         for seed in (31, 32):
             c = make_case(H, D, Fr, 4, 2, seed=seed, device=_DEV)
