@@ -77,6 +77,8 @@ class ExpertsTactic:
     num_stages: int = 4
     block_m: int | None = None
     big_m: int = BIG_M  # rows a pass of an expert with more than block_m rows
+    big_stages: int | None = None  # pipeline depth of those passes (None: held to the one-pass loop's shared memory,
+                                   # 2 at MXFP4's defaults; its cp.async then waits for the step just issued)
     ptx_dequant: bool = False  # MXFP4 on CUDA: dequantize with _DEQUANT_PTX (two values an instruction) instead of
                                # Triton integer ops (the interpreter always runs the latter)
     tiles: bool = False  # MXFP4 in the checkpoint's layout: read a copy re-packed in the MMA's operand order
@@ -89,7 +91,8 @@ class ExpertsTactic:
         return (f"n{self.block_n1}/{self.block_n2}k{self.block_k}w{self.num_warps}s{self.num_stages}m{self.block_m}"
                 + ("ptx" if self.ptx_dequant else "") + ("tiles" if self.tiles else "")
                 + (f"r{self.maxnreg}" if self.maxnreg else "") + f"split{self.split_k}f{self.fill}"
-                + (f"big{self.big_m}" if self.big_m != BIG_M else ""))
+                + (f"big{self.big_m}" if self.big_m != BIG_M else "")
+                + (f"bs{self.big_stages}" if self.big_stages else ""))
 
 
 DEFAULT_TACTIC = ExpertsTactic()
@@ -109,12 +112,13 @@ def experts_block_m(tokens: int) -> int:
 
 def _pipeline(block_n: int, block_m: int, big_m: int, tactic: ExpertsTactic, mxfp4: bool) -> dict[str, int]:
     """Pipeline depths of the one-pass loop (``tactic.num_stages``, fewer where ``block_n`` weight +
-    ``block_m`` act rows would not fit) and of the crowded-expert loop, held to the same shared memory
-    (the kernel's shared memory is the larger loop's, and it sets how many programs share an SM)."""
+    ``block_m`` act rows would not fit) and of the crowded-expert loop, ``tactic.big_stages`` or held to the same
+    shared memory (the kernel's shared memory is the larger loop's, and it sets how many programs share an SM)."""
     act_row = tactic.block_k * 2
     w_row = tactic.block_k // 2 + tactic.block_k // 32 if mxfp4 else act_row  # MXFP4: codes and scales
     stages = max(1, min(tactic.num_stages, _SMEM_BYTES // (block_n * w_row + block_m * act_row)))
-    big = max(1, min(stages, stages * (block_n * w_row + block_m * act_row) // (block_n * w_row + big_m * act_row)))
+    big = tactic.big_stages or max(
+        1, min(stages, stages * (block_n * w_row + block_m * act_row) // (block_n * w_row + big_m * act_row)))
     return dict(STAGES=stages, BIG_STAGES=big, num_stages=stages)
 
 
