@@ -111,12 +111,12 @@ def test_ep_ids_of_other_ranks(size, T):
 
 @device_test
 @pytest.mark.parametrize("size", SIZES)
-@pytest.mark.parametrize("passes", [None, (16, 32), (64, 128), (32, 64, 3)],
+@pytest.mark.parametrize("passes", [None, (16, 32, None), (64, 128, None), (32, 64, 3)],
                          ids=["default", "m16big32", "m64big128", "big3deep"])
 def test_one_expert_takes_every_token_and_empty_experts(size, passes):
     """Every token picks local expert 3 (plus other ranks' ids); the other local experts are empty.
     70 rows: more than one pass of block_m (32), so the crowded-expert loop runs two passes of 64 (``passes``
-    (block_m, big_m[, big_stages]): three of 32, one of 128, or two of 64 pipelined 3 deep)."""
+    (block_m, big_m, big_stages): three of 32, one of 128, or two of 64 pipelined 3 deep)."""
     et = _et()
     sh = _shape(size)
     E, K = sh["E"], sh["K"]
@@ -127,7 +127,7 @@ def test_one_expert_takes_every_token_and_empty_experts(size, passes):
     ids = ids[:, torch.randperm(K, generator=g)]  # expert 3 in any slot
     tactic = _tactic(et, size)
     if passes:
-        tactic = dataclasses.replace(tactic, block_m=passes[0], big_m=passes[1], big_stages=(passes[2:] or [None])[0])
+        tactic = dataclasses.replace(tactic, block_m=passes[0], big_m=passes[1], big_stages=passes[2])
     _check(et, _case(T, **sh, ids=ids, seed=8), 0, tactic)
 
 
