@@ -77,8 +77,8 @@ class ExpertsTactic:
     num_stages: int = 4
     block_m: int | None = None
     big_m: int = BIG_M  # rows a pass of an expert with more than block_m rows
-    big_stages: int | None = None  # pipeline depth of those passes (None: held to the one-pass loop's shared memory,
-                                   # 2 at MXFP4's defaults; its cp.async then waits for the step just issued)
+    big_stages: int | None = None  # pipeline depth of those passes (None: held to the one-pass loop's shared memory;
+                                   # at 2 their cp.async waits for the step just issued), at most what fits
     ptx_dequant: bool = False  # MXFP4 on CUDA: dequantize with _DEQUANT_PTX (two values an instruction) instead of
                                # Triton integer ops (the interpreter always runs the latter)
     tiles: bool = False  # MXFP4 in the checkpoint's layout: read a copy re-packed in the MMA's operand order
@@ -96,10 +96,12 @@ class ExpertsTactic:
 
 
 DEFAULT_TACTIC = ExpertsTactic()
-# MXFP4: the copy re-packed in MMA order, 128-input steps, the PTX dequantizer, 168 registers (three programs an SM).
-# Measured on the H200 (docs/perf.md, 2026-12-03, rotated words): 2.07-2.60 TB/s of codes and scales at 16-1024
-# routed rows, 1.79-2.07x the checkpoint's layout (256-input steps: 1.16-1.35 TB/s)
-DEFAULT_MXFP4_TACTIC = ExpertsTactic(block_k=128, num_stages=4, ptx_dequant=True, tiles=True, maxnreg=168)
+# MXFP4: the copy re-packed in MMA order, 128-input steps, the PTX dequantizer, 168 registers (three programs an SM),
+# crowded experts' 64-row passes 3 deep (68 KB a program). Measured on the H200 (docs/perf.md, 2026-12-03, rotated
+# words): 2.07-2.60 TB/s of codes and scales at 16-1024 routed rows, 1.79-2.07x the checkpoint's layout; the passes
+# 3 deep instead of 2 on an H100 (2026-12-07): -16 % at 256 tokens on 64 experts, within 1.5 % at 64
+DEFAULT_MXFP4_TACTIC = ExpertsTactic(block_k=128, num_stages=4, ptx_dequant=True, tiles=True, maxnreg=168,
+                                     big_stages=3)
 
 
 def experts_block_m(tokens: int) -> int:
@@ -113,12 +115,13 @@ def experts_block_m(tokens: int) -> int:
 def _pipeline(block_n: int, block_m: int, big_m: int, tactic: ExpertsTactic, mxfp4: bool) -> dict[str, int]:
     """Pipeline depths of the one-pass loop (``tactic.num_stages``, fewer where ``block_n`` weight +
     ``block_m`` act rows would not fit) and of the crowded-expert loop, ``tactic.big_stages`` or held to the same
-    shared memory (the kernel's shared memory is the larger loop's, and it sets how many programs share an SM)."""
+    shared memory (the kernel's shared memory is the larger loop's, and it sets how many programs share an SM);
+    either at most what an SM's shared memory holds."""
     act_row = tactic.block_k * 2
     w_row = tactic.block_k // 2 + tactic.block_k // 32 if mxfp4 else act_row  # MXFP4: codes and scales
-    stages = max(1, min(tactic.num_stages, _SMEM_BYTES // (block_n * w_row + block_m * act_row)))
-    big = tactic.big_stages or max(
-        1, min(stages, stages * (block_n * w_row + block_m * act_row) // (block_n * w_row + big_m * act_row)))
+    step, big_step = block_n * w_row + block_m * act_row, block_n * w_row + big_m * act_row  # bytes a stage
+    stages = max(1, min(tactic.num_stages, _SMEM_BYTES // step))
+    big = max(1, min(tactic.big_stages or stages * step // big_step, _SMEM_BYTES // big_step))
     return dict(STAGES=stages, BIG_STAGES=big, num_stages=stages)
 
 
