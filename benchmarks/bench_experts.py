@@ -160,6 +160,8 @@ CROWDED_TACTICS = [  # MXFP4 where experts hold ~64 rows (verify steps: 64 reque
     dataclasses.replace(_NO_CAP, block_n1=128, block_n2=128, num_warps=8, block_m=64, big_m=128),
     dataclasses.replace(_NO_CAP, block_n1=128, block_n2=128, num_warps=8, big_stages=3),  # 128 weight rows, crowded
                                                                                            # passes 3 deep
+    dataclasses.replace(_NO_CAP, block_m=64, big_m=128, big_stages=3),  # one pass up to 64 rows, 128-row passes 3
+                                                                          # deep above (124 KB: one program an SM)
     dataclasses.replace(DEFAULT_MXFP4_TACTIC, big_stages=2),  # the crowded passes 2 deep (the default before
                                                               # 2026-12-07: their cp.async waits for the step just
                                                               # issued; 3 deep: -11 to -16 % at 256 tokens, H100)
