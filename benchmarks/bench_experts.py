@@ -162,6 +162,8 @@ CROWDED_TACTICS = [  # MXFP4 where experts hold ~64 rows (verify steps: 64 reque
                                                                                            # passes 3 deep
     dataclasses.replace(_NO_CAP, block_m=64, big_m=128, big_stages=3),  # one pass up to 64 rows, 128-row passes 3
                                                                           # deep above (124 KB: one program an SM)
+    dataclasses.replace(DEFAULT_MXFP4_TACTIC, small_tail=True),  # a crowded expert's last <= 32 rows in one 32-row
+                                                                 # pass, not another of 64
     dataclasses.replace(DEFAULT_MXFP4_TACTIC, big_stages=2),  # the crowded passes 2 deep (the default before
                                                               # 2026-12-07: their cp.async waits for the step just
                                                               # issued; 3 deep: -11 to -16 % at 256 tokens, H100)

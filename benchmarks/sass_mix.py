@@ -115,7 +115,8 @@ def experts_gemm1():
     sig = dict(x_ptr="*bf16", w13_ptr="*i32", s13_ptr="*i16", act_ptr="*bf16", part_ptr="*fp32", order_ptr="*i32",
                slot_ptr="*i32", meta_ptr="*i32", stride_x="i32", stride_we="i64", stride_wn="i64", stride_se="i64",
                stride_sn="i64", K_TOP="i32", beta="fp32", beta_lin="fp32")
-    consts = dict(LAT=lat, INTER=inter, BLOCK_M=bm, BIG_M=max(bm, X.BIG_M), BLOCK_N=t.block_n1, BLOCK_K=t.block_k,
+    consts = dict(LAT=lat, INTER=inter, BLOCK_M=bm, BIG_M=max(bm, X.BIG_M), SMALL_TAIL=t.small_tail,
+                  BLOCK_N=t.block_n1, BLOCK_K=t.block_k,
                   STAGES=pipe["STAGES"], BIG_STAGES=pipe["BIG_STAGES"], MXFP4=True, PTX=True, TILES=True,
                   INTERPRET=False, N_TILES=triton.cdiv(inter, t.block_n1), STEPS=triton.cdiv(lat, t.block_k),
                   SLOTS=t.fill * X.INTERPRETER_SMS, S_MAX=t.split_k, ROWS=X.SPLIT_ROWS)

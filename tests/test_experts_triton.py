@@ -111,12 +111,14 @@ def test_ep_ids_of_other_ranks(size, T):
 
 @device_test
 @pytest.mark.parametrize("size", SIZES)
-@pytest.mark.parametrize("passes", [None, (16, 32, None), (64, 128, None), (32, 64, 2)],
-                         ids=["default", "m16big32", "m64big128", "big2deep"])
+@pytest.mark.parametrize("passes", [None, (16, 32, None, True), (64, 128, None, False), (32, 64, 2, False),
+                                    (32, 64, None, True)],
+                         ids=["default", "m16big32tail", "m64big128", "big2deep", "tail"])
 def test_one_expert_takes_every_token_and_empty_experts(size, passes):
     """Every token picks local expert 3 (plus other ranks' ids); the other local experts are empty.
     70 rows: more than one pass of block_m (32), so the crowded-expert loop runs two passes of 64 (``passes``
-    (block_m, big_m, big_stages): three of 32, one of 128, or two of 64 pipelined 2 deep)."""
+    (block_m, big_m, big_stages, small_tail): two of 32 and the last 6 rows one of 16, one of 128, two of 64
+    pipelined 2 deep, or one of 64 and the last 6 rows one of 32)."""
     et = _et()
     sh = _shape(size)
     E, K = sh["E"], sh["K"]
@@ -127,7 +129,8 @@ def test_one_expert_takes_every_token_and_empty_experts(size, passes):
     ids = ids[:, torch.randperm(K, generator=g)]  # expert 3 in any slot
     tactic = _tactic(et, size)
     if passes:
-        tactic = dataclasses.replace(tactic, block_m=passes[0], big_m=passes[1], big_stages=passes[2])
+        tactic = dataclasses.replace(tactic, block_m=passes[0], big_m=passes[1], big_stages=passes[2],
+                                     small_tail=passes[3])
     _check(et, _case(T, **sh, ids=ids, seed=8), 0, tactic)
 
 

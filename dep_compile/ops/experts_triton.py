@@ -33,7 +33,8 @@ the BF16 and MXFP4 formats; against one slice it differs by FP32 summation order
 
 Row passes: an expert with at most ``block_m`` rows (16 up to 16 tokens, else 32) takes one pass;
 a crowded expert takes passes of ``BIG_M`` = 64 rows, each re-reading the program's weight slab,
-with a shallower pipeline in the same shared memory. Measured on the H200 (docs/perf_experts.md):
+with a pipeline of its own depth (with ``small_tail``, its last rows, where at most ``block_m``, take
+one pass of the one-pass loop). Measured on the H200 (docs/perf_experts.md):
 the GEMMs stream at 4.2-4.3 TB/s, the four launches 4.06-4.39 TB/s of touched expert weights at
 1-64 tokens (64 experts) and 16-1071 routed rows (one EP16 rank's 56), 1.6-4.1x the grouped GEMMs.
 
@@ -79,6 +80,8 @@ class ExpertsTactic:
     big_m: int = BIG_M  # rows a pass of an expert with more than block_m rows
     big_stages: int | None = None  # pipeline depth of those passes (None: held to the one-pass loop's shared memory;
                                    # at 2 their cp.async waits for the step just issued), at most what fits
+    small_tail: bool = False  # a crowded expert's last rows, when at most block_m, take one pass of the one-pass
+                              # loop (block_m rows, its deeper pipeline) instead of another big_m pass
     ptx_dequant: bool = False  # MXFP4 on CUDA: dequantize with _DEQUANT_PTX (two values an instruction) instead of
                                # Triton integer ops (the interpreter always runs the latter)
     tiles: bool = False  # MXFP4 in the checkpoint's layout: read a copy re-packed in the MMA's operand order
@@ -92,7 +95,7 @@ class ExpertsTactic:
                 + ("ptx" if self.ptx_dequant else "") + ("tiles" if self.tiles else "")
                 + (f"r{self.maxnreg}" if self.maxnreg else "") + f"split{self.split_k}f{self.fill}"
                 + (f"big{self.big_m}" if self.big_m != BIG_M else "")
-                + (f"bs{self.big_stages}" if self.big_stages else ""))
+                + (f"bs{self.big_stages}" if self.big_stages else "") + ("tail" if self.small_tail else ""))
 
 
 DEFAULT_TACTIC = ExpertsTactic()
@@ -347,6 +350,16 @@ def _item(slot_ptr, touched, S, STEPS: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _big_rows(c, BLOCK_M: tl.constexpr, BIG_M: tl.constexpr, SMALL_TAIL: tl.constexpr):
+    """Rows of a crowded expert's ``c`` taken in passes of BIG_M: all, or with SMALL_TAIL all but the last
+    ``c % BIG_M`` where those are at most BLOCK_M (one pass of the one-pass loop)."""
+    if SMALL_TAIL:
+        tail = c % BIG_M
+        return c - tail * (tail <= BLOCK_M)
+    return c
+
+
+@triton.jit
 def _gemm1_pass(x_ptr, wg_base, wu_base, sg_base, su_base, act_ptr, part_ptr, order_ptr, off, c, m0, offs_n, offs_k,
                 k_lo, k_hi, s, S, pairs, stride_x, K_TOP, beta, beta_lin, LAT: tl.constexpr, INTER: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
@@ -389,7 +402,7 @@ def _gemm1_kernel(
     part_ptr,  # [SPLIT_ROWS, 2I] fp32 split-K partials (S > 1)
     order_ptr, slot_ptr, meta_ptr,  # int32 [P], [E, 3], [2]
     stride_x, stride_we, stride_wn, stride_se, stride_sn, K_TOP, beta, beta_lin,
-    LAT: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BIG_M: tl.constexpr,
+    LAT: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BIG_M: tl.constexpr, SMALL_TAIL: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, BIG_STAGES: tl.constexpr,
     MXFP4: tl.constexpr, PTX: tl.constexpr, TILES: tl.constexpr, INTERPRET: tl.constexpr,
     N_TILES: tl.constexpr, STEPS: tl.constexpr, SLOTS: tl.constexpr, S_MAX: tl.constexpr, ROWS: tl.constexpr,
@@ -407,10 +420,16 @@ def _gemm1_kernel(
     wu_base = wg_base + UP * stride_wn
     su_base = sg_base + UP * stride_sn
     if c > BLOCK_M:  # a crowded expert: BIG_M rows a pass
-        for m0 in range(0, c, BIG_M):
+        big = _big_rows(c, BLOCK_M, BIG_M, SMALL_TAIL)
+        for m0 in range(0, big, BIG_M):
             _gemm1_pass(x_ptr, wg_base, wu_base, sg_base, su_base, act_ptr, part_ptr, order_ptr, off, c, m0, offs_n,
                         offs_k, k_lo, k_hi, s, S, pairs, stride_x, K_TOP, beta, beta_lin, LAT, INTER, BIG_M, BLOCK_N,
                         BLOCK_K, BIG_STAGES, MXFP4, PTX, TILES, INTERPRET)
+        if SMALL_TAIL:
+            if big < c:  # the last rows: one pass of BLOCK_M
+                _gemm1_pass(x_ptr, wg_base, wu_base, sg_base, su_base, act_ptr, part_ptr, order_ptr, off, c, big,
+                            offs_n, offs_k, k_lo, k_hi, s, S, pairs, stride_x, K_TOP, beta, beta_lin, LAT, INTER,
+                            BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MXFP4, PTX, TILES, INTERPRET)
     elif c > 0:  # one pass
         _gemm1_pass(x_ptr, wg_base, wu_base, sg_base, su_base, act_ptr, part_ptr, order_ptr, off, c, 0, offs_n,
                     offs_k, k_lo, k_hi, s, S, pairs, stride_x, K_TOP, beta, beta_lin, LAT, INTER, BLOCK_M, BLOCK_N,
@@ -472,7 +491,7 @@ def _gemm2_kernel(
     ys_ptr,  # [max(P, SPLIT_ROWS), Lat] fp32 out: slice s of row r at s * pairs + r
     order_ptr, slot_ptr, meta_ptr,
     stride_we, stride_wn, stride_se, stride_sn,
-    LAT: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BIG_M: tl.constexpr,
+    LAT: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BIG_M: tl.constexpr, SMALL_TAIL: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, BIG_STAGES: tl.constexpr,
     MXFP4: tl.constexpr, PTX: tl.constexpr, TILES: tl.constexpr, INTERPRET: tl.constexpr,
     N_TILES: tl.constexpr, STEPS: tl.constexpr, SLOTS: tl.constexpr, S_MAX: tl.constexpr, ROWS: tl.constexpr,
@@ -487,9 +506,15 @@ def _gemm2_kernel(
     w_base, s_base = _weight_ptrs(w2_ptr, s2_ptr, e, rn, pid_n, stride_we, stride_wn, stride_se, stride_sn, MXFP4,
                                   TILES, BLOCK_N, BLOCK_K)
     if c > BLOCK_M:
-        for m0 in range(0, c, BIG_M):
+        big = _big_rows(c, BLOCK_M, BIG_M, SMALL_TAIL)
+        for m0 in range(0, big, BIG_M):
             _gemm2_pass(act_ptr, w_base, s_base, tw_ptr, ys_ptr, order_ptr, off, c, m0, offs_n, offs_k, k_lo, k_hi,
                         s, pairs, LAT, INTER, BIG_M, BLOCK_N, BLOCK_K, BIG_STAGES, MXFP4, PTX, TILES, INTERPRET)
+        if SMALL_TAIL:
+            if big < c:
+                _gemm2_pass(act_ptr, w_base, s_base, tw_ptr, ys_ptr, order_ptr, off, c, big, offs_n, offs_k, k_lo,
+                            k_hi, s, pairs, LAT, INTER, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MXFP4, PTX, TILES,
+                            INTERPRET)
     elif c > 0:
         _gemm2_pass(act_ptr, w_base, s_base, tw_ptr, ys_ptr, order_ptr, off, c, 0, offs_n, offs_k, k_lo, k_hi, s,
                     pairs, LAT, INTER, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MXFP4, PTX, TILES, INTERPRET)
@@ -670,8 +695,9 @@ def routed_experts_triton(
     bm = tactic.block_m or experts_block_m(T)
     big = max(bm, tactic.big_m)
     slots = _slots(dev, tactic)
-    common = dict(LAT=lat, INTER=inter, BLOCK_M=bm, BIG_M=big, BLOCK_K=tactic.block_k, MXFP4=mxfp4,
-                  PTX=mxfp4 and tactic.ptx_dequant and not _INTERPRET, TILES=bool(tiled), INTERPRET=_INTERPRET,
+    common = dict(LAT=lat, INTER=inter, BLOCK_M=bm, BIG_M=big, SMALL_TAIL=tactic.small_tail, BLOCK_K=tactic.block_k,
+                  MXFP4=mxfp4, PTX=mxfp4 and tactic.ptx_dequant and not _INTERPRET, TILES=bool(tiled),
+                  INTERPRET=_INTERPRET,
                   num_warps=tactic.num_warps, **({"maxnreg": tactic.maxnreg} if tactic.maxnreg else {}))
     # the split rule of each GEMM (its row tiles and K steps), given alike to the kernel that sums its slices
     rule1, rule2 = (dict(N_TILES=triton.cdiv(n, bn), STEPS=triton.cdiv(k, tactic.block_k), SLOTS=slots,
