@@ -148,25 +148,22 @@ def expert_weights(fmt: str, E: int, copies: int, seed: int = 0):
              for _ in range(copies)])
 
 
-# the default's tiles, the compiler's registers, crowded passes held to the one-pass loop's shared memory
-_NO_CAP = dataclasses.replace(DEFAULT_MXFP4_TACTIC, maxnreg=None, big_stages=None)
+# the default's tiles, the compiler's registers, crowded passes held to the one-pass loop's shared memory, a crowded
+# expert's last rows in another crowded pass (MXFP4's default until 2026-12-07)
+_NO_CAP = dataclasses.replace(DEFAULT_MXFP4_TACTIC, maxnreg=None, big_stages=None, small_tail=False)
 CROWDED_TACTICS = [  # MXFP4 where experts hold ~64 rows (verify steps: 64 requests x q = 4 on 64 experts)
     dataclasses.replace(_NO_CAP, block_m=64, big_m=128),  # one pass up to 64 rows, 128-row passes above
-    dataclasses.replace(DEFAULT_MXFP4_TACTIC, block_m=64, big_stages=None),  # one pass up to 64 rows, the full
-                                                                             # pipeline
+    dataclasses.replace(_NO_CAP, block_m=64, maxnreg=168),  # one pass up to 64 rows, the full pipeline
     dataclasses.replace(_NO_CAP, block_m=128, big_m=128),  # one 128-row pass
     dataclasses.replace(_NO_CAP, block_n1=128, block_n2=128, num_warps=8),  # 128 weight rows a program: half the
                                                                              # activation re-reads
     dataclasses.replace(_NO_CAP, block_n1=128, block_n2=128, num_warps=8, block_m=64, big_m=128),
-    dataclasses.replace(_NO_CAP, block_n1=128, block_n2=128, num_warps=8, big_stages=3),  # 128 weight rows, crowded
-                                                                                           # passes 3 deep
-    dataclasses.replace(_NO_CAP, block_m=64, big_m=128, big_stages=3),  # one pass up to 64 rows, 128-row passes 3
-                                                                          # deep above (124 KB: one program an SM)
-    dataclasses.replace(DEFAULT_MXFP4_TACTIC, small_tail=True),  # a crowded expert's last <= 32 rows in one 32-row
-                                                                 # pass, not another of 64
-    dataclasses.replace(DEFAULT_MXFP4_TACTIC, big_stages=2),  # the crowded passes 2 deep (the default before
-                                                              # 2026-12-07: their cp.async waits for the step just
-                                                              # issued; 3 deep: -11 to -16 % at 256 tokens, H100)
+    dataclasses.replace(DEFAULT_MXFP4_TACTIC, small_tail=False),  # a crowded expert's last <= 32 rows in another
+                                                                  # 64-row pass (the default until 2026-12-07, 22:0x)
+    dataclasses.replace(DEFAULT_MXFP4_TACTIC, big_stages=2, small_tail=False),  # the crowded passes 2 deep too (the
+                                                                                # default until 2026-12-07, 21:0x)
+    # measured on an H100 (2026-12-07, docs/perf.md): 128 weight rows with the crowded passes 3 deep, and one pass up
+    # to 64 rows with 128-row passes 3 deep (one program an SM), 11-32 % behind the default at 256 tokens
 ]
 
 

@@ -118,7 +118,7 @@ def test_one_expert_takes_every_token_and_empty_experts(size, passes):
     """Every token picks local expert 3 (plus other ranks' ids); the other local experts are empty.
     70 rows: more than one pass of block_m (32), so the crowded-expert loop runs two passes of 64 (``passes``
     (block_m, big_m, big_stages, small_tail): two of 32 and the last 6 rows one of 16, one of 128, two of 64
-    pipelined 2 deep, or one of 64 and the last 6 rows one of 32)."""
+    pipelined 2 deep, or one of 64 and the last 6 rows one of 32, as MXFP4's default does)."""
     et = _et()
     sh = _shape(size)
     E, K = sh["E"], sh["K"]

@@ -33,8 +33,8 @@ the BF16 and MXFP4 formats; against one slice it differs by FP32 summation order
 
 Row passes: an expert with at most ``block_m`` rows (16 up to 16 tokens, else 32) takes one pass;
 a crowded expert takes passes of ``BIG_M`` = 64 rows, each re-reading the program's weight slab,
-with a pipeline of its own depth (with ``small_tail``, its last rows, where at most ``block_m``, take
-one pass of the one-pass loop). Measured on the H200 (docs/perf_experts.md):
+with a pipeline of its own depth, and with ``small_tail`` (MXFP4's default) its last rows, where at
+most ``block_m``, one pass of the one-pass loop. Measured on the H200 (docs/perf_experts.md):
 the GEMMs stream at 4.2-4.3 TB/s, the four launches 4.06-4.39 TB/s of touched expert weights at
 1-64 tokens (64 experts) and 16-1071 routed rows (one EP16 rank's 56), 1.6-4.1x the grouped GEMMs.
 
@@ -102,9 +102,10 @@ DEFAULT_TACTIC = ExpertsTactic()
 # MXFP4: the copy re-packed in MMA order, 128-input steps, the PTX dequantizer, 168 registers (three programs an SM),
 # crowded experts' 64-row passes 3 deep (68 KB a program). Measured on the H200 (docs/perf.md, 2026-12-03, rotated
 # words): 2.07-2.60 TB/s of codes and scales at 16-1024 routed rows, 1.79-2.07x the checkpoint's layout; the passes
-# 3 deep instead of 2 on an H100 (2026-12-07): -16 % at 256 tokens on 64 experts, within 1.5 % at 64
+# 3 deep instead of 2 on an H100 (2026-12-07): -16 % at 256 tokens on 64 experts, within 1.5 % at 64; a crowded
+# expert's last <= 32 rows in a 32-row pass (small_tail): a further -5 % (BF16's default keeps both as they were)
 DEFAULT_MXFP4_TACTIC = ExpertsTactic(block_k=128, num_stages=4, ptx_dequant=True, tiles=True, maxnreg=168,
-                                     big_stages=3)
+                                     big_stages=3, small_tail=True)
 
 
 def experts_block_m(tokens: int) -> int:
