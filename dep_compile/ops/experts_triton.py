@@ -698,8 +698,8 @@ def routed_experts_triton(
     slots = _slots(dev, tactic)
     common = dict(LAT=lat, INTER=inter, BLOCK_M=bm, BIG_M=big, SMALL_TAIL=tactic.small_tail, BLOCK_K=tactic.block_k,
                   MXFP4=mxfp4, PTX=mxfp4 and tactic.ptx_dequant and not _INTERPRET, TILES=bool(tiled),
-                  INTERPRET=_INTERPRET,
-                  num_warps=tactic.num_warps, **({"maxnreg": tactic.maxnreg} if tactic.maxnreg else {}))
+                  INTERPRET=_INTERPRET, num_warps=tactic.num_warps,
+                  **({"maxnreg": tactic.maxnreg} if tactic.maxnreg else {}))
     # the split rule of each GEMM (its row tiles and K steps), given alike to the kernel that sums its slices
     rule1, rule2 = (dict(N_TILES=triton.cdiv(n, bn), STEPS=triton.cdiv(k, tactic.block_k), SLOTS=slots,
                          S_MAX=tactic.split_k, ROWS=SPLIT_ROWS)
